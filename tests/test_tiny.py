@@ -1,0 +1,122 @@
+"""The embedded tiny DeepSeek-V3: deterministic, within every backend's constraints, usable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsr1kit import tiny
+
+MESSAGES = [
+    {"role": "system", "content": "You are DeepSeek-R1."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n<answer>\n5\n</answer>"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+
+
+def test_build_is_deterministic(tmp_path, tiny_dir):
+    out = tiny.build(tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (out / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+
+
+def test_cli_builds_into_a_dir(tmp_path, cli):
+    proc = cli("tiny", str(tmp_path / "m"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_architecture_is_deepseek_v3_with_moe_and_mla(model):
+    cfg = model.config
+    assert cfg.model_type == "deepseek_v3"
+    assert cfg.n_routed_experts > cfg.num_experts_per_tok >= 2 and cfg.n_shared_experts == 1
+    assert cfg.first_k_dense_replace == 1 and cfg.num_hidden_layers == 3
+    assert cfg.q_lora_rank and cfg.kv_lora_rank
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3Attention"} <= kinds
+
+
+def test_every_linear_fits_bitsandbytes_cpu_repack(model):
+    """NF4's eval-mode CPU path needs in % 64 == 0 and out % 32 == 0."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears
+    for name, m in linears:
+        assert m.in_features % 64 == 0 and m.out_features % 32 == 0, name
+
+
+def test_config_satisfies_vllm_cpu(tiny_dir):
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+    assert min(cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["qk_rope_head_dim"]) >= 32
+    assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
+
+
+def test_tokenizer_fits_the_vocab(tok, model):
+    assert len(tok) <= model.config.vocab_size
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+
+
+@pytest.mark.parametrize("marker", tiny.REASONING_TOKENS)
+def test_reasoning_markers_are_single_tokens_kept_when_decoding(tok, marker):
+    ids = tok.encode(f"x{marker}y", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids(marker) in ids
+    assert marker in tok.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template_marks_exactly_the_assistant_turn(tok):
+    out = tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert masked == MESSAGES[2]["content"] + tok.eos_token
+    assert "What is 2 + 3?" in tok.decode(ids)
+
+
+def test_generation_prompt_ends_with_the_assistant_tag(tok):
+    text = tok.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|assistant|>")
+
+
+def test_trains_and_generates(model, tok):
+    ids = torch.tensor([tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]])
+    model.train()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model.zero_grad()
+    model.eval()
+    out = model.generate(ids[:, :10], max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 14)
+
+
+def test_loads_in_nf4_on_cpu_including_eval_forward(tiny_dir):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=q, dtype=torch.bfloat16)
+    assert any(isinstance(x, bnb.nn.Linear4bit) for x in m.modules())
+    m.eval()
+    with torch.no_grad():
+        logits = m(torch.randint(0, 1000, (2, 16))).logits
+    assert logits.shape == (2, 16, m.config.vocab_size) and torch.isfinite(logits).all()
