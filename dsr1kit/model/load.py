@@ -1,0 +1,118 @@
+"""Load a causal LM for HARI: plain or NF4, explicit placement, no fp32 upcast.
+
+What differs from a plain ``from_pretrained``, and why:
+
+- NF4 with double quantization and bf16 compute (QLoRA), but *no*
+  ``prepare_model_for_kbit_training``: it upcasts every non-4-bit weight to
+  fp32 and doubled a 4.7B model's memory (DESIGN.md fact 3).
+- An explicit device_map for one node (``placement``), ``max_memory`` per GPU
+  and one offload folder per rank (ranks of one node must not share it).
+- Routing stays fp32 (native router computes in fp32; no autocast here).
+- Tokenizer: pad = eos when missing, right padding; the embeddings are resized
+  when the tokenizer has more tokens than the model (an out-of-range id is a
+  device-side assert on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import tiny
+from . import placement, quirks
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: str
+    device_map: dict[str, Any] | str | None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, token=os.environ.get("HF_TOKEN"))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def ensure_vocab(model, tokenizer) -> bool:
+    """Resize the embeddings when the tokenizer has ids the model cannot embed; True if resized."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return False
+    warnings.warn(f"tokenizer has {len(tokenizer)} tokens but the model embeds {rows}: resizing the "
+                  f"embeddings (new rows are untrained)", stacklevel=2)
+    model.resize_token_embeddings(len(tokenizer))
+    return True
+
+
+def quantization_config(compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=["lm_head", "gate"],  # logits and routing stay in full precision
+    )
+
+
+def resolve_device_map(p, config) -> tuple[dict[str, Any] | str | None, dict[Any, str] | None]:
+    """device_map and max_memory for this node (CPU when there is no GPU or device_map=cpu)."""
+    n_gpus = torch.cuda.device_count()
+    if p.device_map == "cpu" or n_gpus == 0:
+        return None, None
+    dm = placement.device_map(config, n_gpus, p.device_map)
+    max_memory: dict[Any, str] = {i: f"{p.max_memory_gib_per_gpu}GiB" for i in range(n_gpus)}
+    max_memory["cpu"] = f"{p.cpu_max_memory_gib}GiB"
+    return dm, max_memory
+
+
+def load_model(p, rank: int = 0) -> LoadedModel:
+    """Model + tokenizer for HARI parameters ``p`` (dsr1kit.params.HariParams)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny.resolve_model(p.model)
+    token = os.environ.get("HF_TOKEN")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=p.trust_remote_code, token=token)
+    dtype = DTYPES[p.dtype]
+    dm, max_memory = resolve_device_map(p, config)
+    kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=p.trust_remote_code, token=token,
+                                  low_cpu_mem_usage=True)
+    if dm is not None:
+        kwargs.update(device_map=dm, max_memory=max_memory)
+    if p.offload_dir:
+        folder = Path(p.offload_dir) / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        kwargs["offload_folder"] = str(folder)
+    if p.quantization == "nf4":
+        kwargs["quantization_config"] = quantization_config(dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False
+    for param in model.parameters():
+        param.requires_grad_(False)
+    tokenizer = load_tokenizer(path, p.trust_remote_code)
+    resized = ensure_vocab(model, tokenizer)
+    if p.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    applied = quirks.apply_quirks(model)
+    info = {
+        "path": path, "dtype": p.dtype, "quantization": p.quantization, "resized_vocab": resized,
+        "n_layers": config.num_hidden_layers, "parameters": sum(x.numel() for x in model.parameters()),
+        "memory_gib": round(model.get_memory_footprint() / 2**30, 3), "quirks": applied,
+        "placement": p.device_map if dm is not None else "cpu",
+        "boundary_crossings": placement.boundary_crossings(dm) if dm else 0,
+    }
+    return LoadedModel(model, tokenizer, path, dm, info)

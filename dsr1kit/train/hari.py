@@ -1,0 +1,184 @@
+"""The HARI loss: CE on assistant tokens + λ·T²·KL(p_ref,T ‖ p_student,T).
+
+The reference is the same model with its adapter disabled, so the KL term
+pulls the adapted model towards its own base outputs and limits forgetting.
+The KL is averaged over attention-masked tokens (``kl_tokens="all"``) or over
+the positions that predict assistant tokens (``"assistant"``); it is computed
+in fp32 (a bf16 KL is unreliable near zero, DESIGN.md fact 5).
+
+Two implementations with the same value and gradients:
+
+``naive`` (the recipe): a full forward with the adapter, a full forward
+without it, KL over full [B, S, V] logits.
+
+``fast`` (default): layers below the first adapted layer carry no adapter, so
+their output is the same for student and reference: run them once under
+``no_grad``; run only the adapted layers twice (adapter on with grad, off
+without); then norm → lm_head → CE/KL over chunks of the needed positions,
+each chunk recomputed in backward, so full [S, V] logits never exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..data.labels import IGNORE
+from ..model.lora import decoder_layers
+
+KlTokens = Literal["all", "assistant"]
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor  # differentiable
+    ce: float
+    kl: float
+    ce_tokens: int
+    kl_tokens: int
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """targets[t] = labels[t+1]; the last position predicts nothing."""
+    out = torch.full_like(labels, IGNORE)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def kl_mask(batch: dict[str, torch.Tensor], kl_tokens: KlTokens) -> torch.Tensor:
+    if kl_tokens == "all":
+        return batch["attention_mask"].bool()
+    if kl_tokens == "assistant":
+        return next_token_targets(batch["labels"]) != IGNORE
+    raise ValueError(f"kl_tokens must be 'all' or 'assistant', got {kl_tokens!r}")
+
+
+def token_terms(logits: torch.Tensor, ref_logits: torch.Tensor | None, targets: torch.Tensor,
+                kl_select: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of CE over targeted positions and sum of KL over selected positions, in fp32."""
+    logits = logits.float()
+    ce_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    if ref_logits is None:
+        return ce_sum, logits.new_zeros(())
+    log_p = F.log_softmax(logits / temperature, dim=-1)
+    log_q = F.log_softmax(ref_logits.float() / temperature, dim=-1)
+    kl = (log_q.exp() * (log_q - log_p)).sum(-1)
+    return ce_sum, (kl * kl_select).sum()
+
+
+def _combine(ce_sum, kl_sum, n_ce, n_kl, lambda_kl, temperature) -> LossParts:
+    ce = ce_sum / max(n_ce, 1)
+    kl = kl_sum / max(n_kl, 1)
+    loss = ce + lambda_kl * temperature**2 * kl if lambda_kl > 0 else ce
+    return LossParts(loss, float(ce.detach()), float(kl.detach()), n_ce, n_kl)
+
+
+def naive_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,
+               kl_tokens: KlTokens = "all") -> LossParts:
+    """The recipe: two full forwards, full-vocab KL."""
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    ref = None
+    if lambda_kl > 0:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), model.disable_adapter():
+            ref = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        model.train(was_training)
+    targets = next_token_targets(batch["labels"]).to(logits.device)
+    select = kl_mask(batch, kl_tokens).to(logits.device)
+    v = logits.shape[-1]
+    ce_sum, kl_sum = token_terms(logits.reshape(-1, v), None if ref is None else ref.reshape(-1, v),
+                                 targets.reshape(-1), select.reshape(-1).float(), temperature)
+    return _combine(ce_sum, kl_sum, int((targets != IGNORE).sum()), int(select.sum()), lambda_kl, temperature)
+
+
+class _StopAtLayer(Exception):
+    def __init__(self, args, kwargs):
+        self.args_, self.kwargs_ = args, kwargs
+
+
+def prefix_forward(model, batch: dict[str, torch.Tensor], first_layer: int):
+    """Run the frozen layers below ``first_layer``; return the hidden state and the layer kwargs.
+
+    The model's own forward prepares the inputs (embeddings, causal mask,
+    rotary embeddings); a pre-hook on the first adapted layer captures what it
+    would receive and stops there. This works for any decoder whose layers take
+    (hidden_states, **kwargs), whatever the transformers version.
+    """
+    layer = decoder_layers(model)[first_layer]
+
+    def stop(_module, args, kwargs):
+        raise _StopAtLayer(args, kwargs)
+
+    handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    except _StopAtLayer as captured:
+        args, kwargs = captured.args_, captured.kwargs_
+    else:
+        raise RuntimeError("the first adapted layer was never called")
+    finally:
+        handle.remove()
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    return hidden, args[1:], kwargs
+
+
+def run_layers(model, first_layer: int, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
+    for layer in decoder_layers(model)[first_layer:]:
+        out = layer(hidden, *args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+def _head(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", base)
+    return inner.norm, base.get_output_embeddings()
+
+
+def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,
+              first_layer: int, kl_tokens: KlTokens = "all", chunk: int = 1024) -> LossParts:
+    """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks."""
+    hidden, args, kwargs = prefix_forward(model, batch, first_layer)
+    student = run_layers(model, first_layer, hidden, args, kwargs)
+    ref = None
+    if lambda_kl > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref = run_layers(model, first_layer, hidden, args, kwargs)
+    dev = student.device
+    targets = next_token_targets(batch["labels"]).to(dev)
+    select = kl_mask(batch, kl_tokens).to(dev)
+    needed = (targets != IGNORE) | (select if lambda_kl > 0 else torch.zeros_like(select))
+    hs, tg, sel = student[needed], targets[needed], select[needed].float()
+    hr = ref[needed] if ref is not None else None
+    norm, lm_head = _head(model)
+
+    def chunk_terms(h, r, t, s):
+        logits = lm_head(norm(h))
+        ref_logits = None
+        if r is not None:
+            with torch.no_grad():
+                ref_logits = lm_head(norm(r))
+        return token_terms(logits, ref_logits, t, s, temperature)
+
+    ce_sum = hs.new_zeros((), dtype=torch.float32)
+    kl_sum = hs.new_zeros((), dtype=torch.float32)
+    for start in range(0, hs.shape[0], chunk):
+        end = start + chunk
+        r = hr[start:end] if hr is not None else None
+        c, k = checkpoint(chunk_terms, hs[start:end], r, tg[start:end], sel[start:end], use_reentrant=False)
+        ce_sum, kl_sum = ce_sum + c, kl_sum + k
+    return _combine(ce_sum, kl_sum, int((targets != IGNORE).sum()), int(select.sum()), lambda_kl, temperature)
+
+
+def hari_loss(model, batch, p, first_layer: int) -> LossParts:
+    """Dispatch on ``p.hari_impl`` (dsr1kit.params.HariParams)."""
+    if p.hari_impl == "naive":
+        return naive_loss(model, batch, p.lambda_kl, p.kl_temperature, p.kl_tokens)
+    return fast_loss(model, batch, p.lambda_kl, p.kl_temperature, first_layer, p.kl_tokens, p.loss_chunk)
