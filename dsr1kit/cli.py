@@ -62,9 +62,9 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from .tiny import build
+    from .tiny import PRETRAIN_STEPS, build
 
-    print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed)}")
+    print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed, pretrain_steps=args.pretrain_steps if args.pretrain_steps is not None else PRETRAIN_STEPS)}")
     return 0
 
 
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny", help="build the embedded tiny DeepSeek-V3 into DIR")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--pretrain-steps", type=int, default=None, help="default: the embedded model's")
     tiny.set_defaults(func=_cmd_tiny)
     return parser
 

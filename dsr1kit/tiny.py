@@ -12,6 +12,10 @@ at toy widths chosen to satisfy every backend we test:
 
 The tokenizer is a byte-level BPE trained on the shipped datasets, with a chat
 template whose ``{% generation %}`` markers give the assistant-token mask.
+The weights are briefly pre-trained here (seconds) on the chat format and on
+the free-form task kinds only, so the base model speaks the format, answers
+some questions, and leaves the multiple-choice kinds for HARI to learn: loss
+curves, accuracies and KL values in the demo then mean something.
 Nothing is downloaded. ``resolve_model("tiny")`` builds it once into a cache.
 """
 
@@ -26,7 +30,8 @@ from pathlib import Path
 
 from .data.chat import to_messages
 
-VERSION = 2
+VERSION = 4
+PRETRAIN_STEPS = 200
 TINY_NAME = "tiny"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl")
@@ -84,7 +89,7 @@ def cache_root() -> Path:
 
 
 def _fingerprint() -> str:
-    h = hashlib.sha256(f"v{VERSION}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}".encode())
+    h = hashlib.sha256(f"v{VERSION}-{PRETRAIN_STEPS}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}".encode())
     for name in CORPUS_FILES:
         h.update((DATA_DIR / name).read_bytes())
     return h.hexdigest()[:12]
@@ -134,8 +139,50 @@ def build_tokenizer(out_dir: str | Path):
     return fast
 
 
-def build_model(out_dir: str | Path, tokenizer, seed: int = 0):
-    """A randomly initialised (seeded) DeepSeek-V3-architecture model saved in out_dir."""
+def pretrain_texts() -> tuple[list[list[dict]], list[str]]:
+    """Chats of the free-form task kinds (a fresh seed, not the shipped rows) plus retain text."""
+    from .data.synthetic import MAKERS, make_retain, make_rows
+
+    free_form = {i for i, maker in enumerate(MAKERS) if maker.__name__ in ("_addition", "_subtraction", "_reverse")}
+    rows = [r for i, r in enumerate(make_rows(720, seed=4, prefix="pre")) if i % len(MAKERS) in free_form]
+    chats = [to_messages(r) for r in rows]
+    return chats, [r["text"] for r in make_retain(120, seed=5)]
+
+
+def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, seed: int = 0, batch: int = 12) -> list[float]:
+    """Full-parameter LM training on pretrain_texts(); deterministic for a given seed."""
+    import torch
+
+    chats, texts = pretrain_texts()
+    seqs = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in chats]
+    seqs += [[tokenizer.bos_token_id] + tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
+             for t in texts]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        pick = torch.randint(len(seqs), (batch,), generator=gen).tolist()
+        width = max(len(seqs[i]) for i in pick)
+        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        labels = torch.full((batch, width), -100)
+        for row, i in enumerate(pick):
+            ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+            labels[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+def build_model(out_dir: str | Path, tokenizer, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS):
+    """A seeded DeepSeek-V3-architecture model, briefly pre-trained, saved in out_dir (bf16)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -149,13 +196,20 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0):
     for key, value in VLLM_CONFIG_EXTRAS.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model = DeepseekV3ForCausalLM(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise-reproducible on any core count
+    try:
+        losses = pretrain(model, tokenizer, steps=pretrain_steps, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+    model = model.to(torch.bfloat16)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
-    return model
+    return model, losses
 
 
-def build(out_dir: str | Path, seed: int = 0) -> Path:
+def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS) -> Path:
     """Build model + tokenizer into out_dir (atomically: temp dir, then rename)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,8 +218,10 @@ def build(out_dir: str | Path, seed: int = 0) -> Path:
         tokenizer = build_tokenizer(tmp)
         if len(tokenizer) > VOCAB_SIZE:
             raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > vocab {VOCAB_SIZE}")
-        build_model(tmp, tokenizer, seed=seed)
-        (tmp / "TINY_MODEL.json").write_text(json.dumps({"version": VERSION, "seed": seed}))
+        _, losses = build_model(tmp, tokenizer, seed=seed, pretrain_steps=pretrain_steps)
+        (tmp / "TINY_MODEL.json").write_text(json.dumps({
+            "version": VERSION, "seed": seed, "pretrain_steps": len(losses),
+            "pretrain_loss_first": round(losses[0], 4), "pretrain_loss_last": round(losses[-1], 4)}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -41,3 +41,73 @@ def kv_table(values: dict[str, Any], key: str = "item", value: str = "value"):
     import pandas as pd
 
     return pd.DataFrame([(k, str(v)) for k, v in values.items()], columns=[key, value]).style.hide(axis="index")
+
+
+def training_curves(history: list[dict[str, Any]]):
+    """Loss, CE, KL and learning rate against the optimizer step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    steps = [h["step"] for h in history]
+    for ax, key, title in zip(axes, ("loss", "ce", "kl", "lr"), ("loss", "CE (assistant tokens)", "KL to base", "learning rate")):
+        ax.plot(steps, [h[key] for h in history], marker="o", ms=3)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def data_table(sources: list[dict[str, Any]], per_source: dict[str, dict[str, int]]):
+    """Per source and split: read status, rows, kept, skipped, truncated."""
+    import pandas as pd
+
+    rows = []
+    for s in sources:
+        key = f"{s['source']}@{s['split']}"
+        c = per_source.get(key, {})
+        rows.append({"source": s["source"], "split": s["split"], "status": "pass" if s["status"] == "ok" else "warn",
+                     "rows read": s["rows"], "kept": c.get("kept", 0), "skipped": c.get("skipped", 0),
+                     "truncated": c.get("truncated", 0), "reason": s["reason"]})
+    return colour_status(pd.DataFrame(rows))
+
+
+def bandwidth_figure(result: dict, expected_gbps: float = 0.0):
+    """All-reduce bus bandwidth per message size, with the expected figure as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    rows = result.get("results") or []
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    if rows:
+        sizes = [r["size_mib"] for r in rows]
+        ax.plot(sizes, [r["busbw_gbps"] for r in rows], "o-", label="measured bus bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    else:
+        ax.text(0.5, 0.5, result.get("error", "no measurement"), ha="center", va="center", wrap=True,
+                transform=ax.transAxes, fontsize=8)
+    if expected_gbps > 0:
+        ax.axhline(expected_gbps, color="tab:red", linestyle="--", label=f"expected {expected_gbps:g} GB/s")
+    ax.set_xlabel("message size (MiB)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"all-reduce, {result.get('backend', '?')}, {result.get('world_size', '?')} ranks")
+    if rows or expected_gbps > 0:
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def ray_table(state: dict, names: dict[str, str] | None = None):
+    """Ray's alive nodes (head first) with the Slurm node each IP belongs to."""
+    import pandas as pd
+
+    names = names or {}
+    rows = [{"node": names.get(n["ip"], n["hostname"]), "ip": n["ip"], "role": "head" if n["head"] else "worker",
+             "CPUs": n["cpus"], "GPUs": n["gpus"]} for n in state.get("nodes", [])]
+    rows.append({"node": "total", "ip": state.get("address", ""), "role": f"{len(rows)} nodes",
+                 "CPUs": state.get("cpus", 0), "GPUs": state.get("gpus", 0)})
+    return pd.DataFrame(rows).style.hide(axis="index")

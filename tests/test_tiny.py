@@ -31,14 +31,21 @@ def model(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
 
 
-def test_build_is_deterministic(tmp_path, tiny_dir):
-    out = tiny.build(tmp_path / "again")
+def test_build_is_deterministic(tmp_path):
+    a, b = tiny.build(tmp_path / "a", pretrain_steps=3), tiny.build(tmp_path / "b", pretrain_steps=3)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
-        assert (out / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_pretraining_taught_the_format(tiny_dir):
+    """The base model's LM loss fell during the build (it speaks the chat format before HARI)."""
+    meta = json.loads((tiny_dir / "TINY_MODEL.json").read_text())
+    assert meta["pretrain_steps"] == tiny.PRETRAIN_STEPS
+    assert meta["pretrain_loss_last"] < 0.5 * meta["pretrain_loss_first"]
 
 
 def test_cli_builds_into_a_dir(tmp_path, cli):
-    proc = cli("tiny", str(tmp_path / "m"))
+    proc = cli("tiny", str(tmp_path / "m"), "--pretrain-steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "m" / "model.safetensors").is_file()
 

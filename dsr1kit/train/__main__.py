@@ -1,0 +1,36 @@
+"""`python -m dsr1kit.train -f PARAMS [-p KEY VALUE]… --run-dir DIR`: HARI without a notebook.
+
+The same steps notebook 20 runs, for scripted use and for tests that start
+several ranks or kill a run mid-way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..params import ParamsError, load, parse_override
+from .recipe import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsr1kit.train", description=__doc__)
+    ap.add_argument("-f", "--params-file", action="append", default=[])
+    ap.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    overrides = {k: parse_override(v) for k, v in args.param}
+    overrides["run_dir"] = args.run_dir
+    try:
+        p = load("20_hari_training", args.params_file, overrides)
+    except ParamsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    info = run(p)
+    print(json.dumps({k: info[k] for k in ("steps_done", "total_steps", "preempted", "hosts")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

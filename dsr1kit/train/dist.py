@@ -1,0 +1,120 @@
+"""One process per node: ranks from Slurm or torchrun, and an explicit LoRA-gradient all-reduce.
+
+Inside a node the model spans the GPUs with a device_map; across nodes only
+the trainable (LoRA) gradients travel — a few MB — so instead of wrapping a
+device_map'd model in DDP (a known trap) we all-reduce those gradients
+ourselves after backward. On CPU the same code runs with gloo.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: str = "single"  # "torchrun" | "slurm" | "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def slurm_master_addr(nodelist: str) -> str:
+    """First host of the job's nodelist, resolved to IPv4 (the recipe's rendezvous)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.split()
+    return socket.gethostbyname(out[0])
+
+
+def slurm_master_port(job_id: str) -> int:
+    return 15000 + int(job_id) % 10000
+
+
+def from_env(env: dict[str, str] | None = None) -> DistInfo:
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        addr = env.get("MASTER_ADDR") or slurm_master_addr(env["SLURM_JOB_NODELIST"])
+        port = int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"]))
+        return DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                        addr, port, "slurm")
+    return DistInfo()
+
+
+def init(info: DistInfo, timeout_s: float = 1800) -> DistInfo:
+    """Join the process group (no-op for a single process)."""
+    if info.world_size > 1 and not tdist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        tdist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                 rank=info.rank, world_size=info.world_size,
+                                 timeout=dt.timedelta(seconds=timeout_s))
+    return info
+
+
+def _comm_device() -> torch.device:
+    if tdist.is_initialized() and tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of ``params`` over all ranks, in one flat buffer."""
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    dev = _comm_device()
+    flat = torch.cat([g.detach().float().reshape(-1).to(dev) for g in grads])
+    tdist.all_reduce(flat, op=tdist.ReduceOp.SUM)
+    flat /= tdist.get_world_size()
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(device=p.device, dtype=p.dtype)
+        offset += n
+
+
+def allreduce_scalar(value: float, op: str = "sum") -> float:
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any rank (e.g. a stop request seen by one node)."""
+    return allreduce_scalar(1.0 if flag else 0.0, "max") > 0
+
+
+def gather_hostnames() -> list[str]:
+    host = socket.gethostname()
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return [host]
+    out: list[str] = [""] * tdist.get_world_size()
+    tdist.all_gather_object(out, host)
+    return out
+
+
+def barrier() -> None:
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.barrier()
+
+
+def shutdown() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()

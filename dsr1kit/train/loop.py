@@ -1,0 +1,231 @@
+"""The HARI training loop: one screen, in commented phases.
+
+Data order is a pure function of (seed, epoch, rank), so a resumed run sees
+exactly the batches it would have seen; each rank takes a strided slice of
+equal length (drop-last), so ranks always do the same number of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.std import tqdm
+
+from ..data.labels import collate
+from . import checkpoint, dist
+from .hari import hari_loss
+
+STOP_FILE = "STOP"
+
+
+class NonFiniteLoss(RuntimeError):
+    """Loss became NaN/inf; the last good state was saved first."""
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    total_steps: int
+    preempted: bool = False
+    resumed_from: int | None = None
+    wall_s: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def epoch_batches(n: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """This rank's batches of example indices for an epoch (same length on every rank)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    per_rank = (n // world) // batch_size * batch_size
+    mine = perm[rank::world][:per_rank]
+    return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def schedule(n: int, p, world: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps)."""
+    per_epoch = ((n // world) // p.batch_size) // p.grad_accum
+    if per_epoch == 0:
+        raise ValueError(f"{n} examples are too few for batch_size {p.batch_size} × grad_accum {p.grad_accum} "
+                         f"× {world} ranks: lower them or add data")
+    total = per_epoch * p.epochs
+    return per_epoch, min(total, p.max_steps) if p.max_steps else total
+
+
+class StopRequest:
+    """SIGUSR1/SIGTERM (Slurm's warning before preemption) or a STOP file in the run folder."""
+
+    def __init__(self, run_dir: Path):
+        self.file = run_dir / STOP_FILE
+        self.signalled = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread: the STOP file still works
+                pass
+        return self
+
+    def _handler(self, signum, frame):
+        self.signalled = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or self.file.exists()
+
+
+def peak_memory_gib() -> dict[str, float]:
+    if torch.cuda.is_available():
+        return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3)
+                for i in range(torch.cuda.device_count())}
+    return {"cpu_rss": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float):
+    if torch.cuda.is_available():
+        try:
+            import bitsandbytes as bnb
+
+            return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=0.0)
+        except ImportError:
+            pass
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def _new_window() -> dict[str, float]:
+    return {"loss": 0.0, "ce": 0.0, "kl": 0.0, "tokens": 0, "micro": 0, "t0": time.monotonic()}
+
+
+def _append_metrics(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _truncate_metrics(path: Path, after_step: int) -> None:
+    """Drop metric lines written after the checkpoint we resume from."""
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, info: dist.DistInfo) -> TrainResult:
+    from transformers import get_scheduler
+
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    params = [q for q in model.parameters() if q.requires_grad]
+    names = [n for n, q in model.named_parameters() if q.requires_grad]
+    per_epoch, total = schedule(len(examples), p, info.world_size)
+    optimizer = make_optimizer(params, p.lr)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(p.warmup_ratio * total),
+                              num_training_steps=total)
+    device = model.get_input_embeddings().weight.device
+    vocab = model.get_input_embeddings().num_embeddings
+    result = TrainResult(0, total)
+
+    # --- resume: weights, optimizer, scheduler, RNG and data position from the latest checkpoint
+    start = 0
+    ckpt = checkpoint.latest(run_dir) if p.resume else None
+    if ckpt is not None:
+        state = checkpoint.load(ckpt)
+        with torch.no_grad():
+            for n, q in zip(names, params):
+                q.copy_(state["trainable"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        start = result.resumed_from = state["progress"]["step"]
+        if info.is_main:
+            _truncate_metrics(metrics_path, start)
+    dist.barrier()
+    if info.is_main:
+        (run_dir / STOP_FILE).unlink(missing_ok=True)  # a requeued job must not stop at once
+    dist.barrier()
+
+    def save(step: int) -> None:
+        if info.is_main:
+            checkpoint.save(run_dir, step, {
+                "trainable": {n: q.detach().cpu().clone() for n, q in zip(names, params)},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": checkpoint.rng_state(), "params": p.to_dict(),
+                "progress": {"step": step, "epoch": step // per_epoch, "total_steps": total}})
+        dist.barrier()
+
+    model.train()
+    t_start = time.monotonic()
+    bar = tqdm(total=total, initial=start, desc="HARI steps", disable=not info.is_main, mininterval=2)
+    batches: dict[int, list[list[int]]] = {}
+    window = _new_window()
+    with StopRequest(run_dir) as stop:
+        for step in range(start, total):
+            # --- data: this step's micro-batches, from the (seed, epoch, rank) order
+            epoch, in_epoch = divmod(step, per_epoch)
+            if epoch not in batches:
+                batches = {epoch: epoch_batches(len(examples), p.seed, epoch, info.rank, info.world_size,
+                                                p.batch_size)}
+            bad = None
+            # --- forward/backward over grad_accum micro-batches
+            for micro in range(p.grad_accum):
+                idx = batches[epoch][in_epoch * p.grad_accum + micro]
+                batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], tokenizer.pad_token_id,
+                                                              vocab).items()}
+                parts = hari_loss(model, batch, p, first_layer)
+                if not torch.isfinite(parts.loss):
+                    bad = [examples[i].id for i in idx]
+                    break
+                (parts.loss / p.grad_accum).backward()
+                window["tokens"] += int(batch["attention_mask"].sum())
+                window["ce"] += parts.ce
+                window["kl"] += parts.kl
+                window["loss"] += float(parts.loss.detach())
+                window["micro"] += 1
+            # --- a NaN/inf anywhere stops every rank, after saving the last good state
+            if dist.any_rank(bad is not None):
+                optimizer.zero_grad(set_to_none=True)
+                save(step)
+                raise NonFiniteLoss(f"non-finite loss at step {step + 1} (epoch {epoch}); batch ids: {bad}; "
+                                    f"last good state saved at step {step}. Lower lr or lambda_kl, check the data")
+            # --- sync LoRA grads across nodes, clip, step
+            dist.allreduce_grads(params)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, p.clip_norm))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            result.steps_done = done
+            bar.update(1)
+            # --- log: means over the micro-batches of every rank since the last line
+            if done % p.log_every == 0 or done == total:
+                n = dist.allreduce_scalar(window["micro"])
+                row = {"step": done, "epoch": epoch, "lr": lr, "grad_norm": grad_norm,
+                       **{k: dist.allreduce_scalar(window[k]) / n for k in ("loss", "ce", "kl")},
+                       "tokens_per_s": dist.allreduce_scalar(window["tokens"]) / max(time.monotonic() - window["t0"], 1e-9),
+                       "peak_memory_gib": peak_memory_gib()}
+                window = _new_window()
+                result.history.append(row)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl']:.2e}")
+                if info.is_main:
+                    _append_metrics(metrics_path, row)
+            # --- checkpoint on schedule, or now if a stop was requested (preemption)
+            stopping = dist.any_rank(stop.requested)
+            if done % p.save_every == 0 or stopping or done == total:
+                save(done)
+            if stopping and done < total:
+                result.preempted = True
+                break
+    bar.close()
+    result.wall_s = time.monotonic() - t_start
+    return result
