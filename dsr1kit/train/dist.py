@@ -101,13 +101,17 @@ def any_rank(flag: bool) -> bool:
     return allreduce_scalar(1.0 if flag else 0.0, "max") > 0
 
 
-def gather_hostnames() -> list[str]:
-    host = socket.gethostname()
+def gather_strings(value: str) -> list[str]:
+    """Every rank's value, in rank order."""
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
-        return [host]
+        return [value]
     out: list[str] = [""] * tdist.get_world_size()
-    tdist.all_gather_object(out, host)
+    tdist.all_gather_object(out, value)
     return out
+
+
+def gather_hostnames() -> list[str]:
+    return gather_strings(socket.gethostname())
 
 
 def barrier() -> None:

@@ -8,6 +8,7 @@ Rank 0 writes; every rank computes.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import re
 import time
@@ -72,9 +73,20 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[-40:] or "data"
 
 
+def trainable_digest(model) -> str:
+    """SHA-256 of the trainable weights: every rank must end with the same adapter."""
+    h = hashlib.sha256()
+    for name, q in model.named_parameters():
+        if q.requires_grad:
+            h.update(name.encode())
+            h.update(q.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict[str, Any]:
     """Adapter (PEFT format) + tokenizer + run_info.json, by rank 0 after a barrier."""
     hosts = dist.gather_hostnames()
+    digests = dist.gather_strings(trainable_digest(prep.model))
     run_dir = Path(p.run_dir)
     info = {
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -82,7 +94,8 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
         "dataset": p.dataset, "sources": prep.sources, "samples": len(prep.data.examples),
         "skipped_rows": prep.data.skipped, "truncated": prep.data.truncated, "no_target": prep.data.no_target,
         "epochs": p.epochs, "batch_size": p.batch_size, "grad_accum": p.grad_accum, "max_len": p.max_len,
-        "world_size": prep.info.world_size, "hosts": hosts, "steps_done": result.steps_done,
+        "world_size": prep.info.world_size, "hosts": hosts, "rank_digests": digests,
+        "ranks_agree": len(set(digests)) == 1, "steps_done": result.steps_done,
         "total_steps": result.total_steps, "preempted": result.preempted, "resumed_from": result.resumed_from,
         "wall_s": round(time.monotonic() - started, 1), "lora": lora_summary(prep.model, prep.plan),
         "model": prep.loaded.info,
@@ -134,6 +147,9 @@ def verdict(result: TrainResult, model, outputs: dict[str, Any], history: list[d
     if result.preempted:
         lines.append("preempted: checkpoint saved; requeue the job (same run folder) to resume")
         return "warn", lines
+    if not outputs.get("ranks_agree", True):
+        lines.append(f"ranks ended with different adapters: {outputs.get('rank_digests')}")
+        return "fail", lines
     if zero:
         lines.append(f"lora_B is still zero in {zero}: nothing was learned there (raise lr or steps)")
         return "fail", lines

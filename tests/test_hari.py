@@ -1,0 +1,84 @@
+"""The HARI loss: the fast path equals the recipe's naive path, in value and LoRA gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsr1kit import params
+from dsr1kit.data.labels import collate, encode_rows
+from dsr1kit.data.plan import load_rows
+from dsr1kit.model.load import load_model
+from dsr1kit.model.lora import apply_lora
+from dsr1kit.train.hari import fast_loss, naive_loss
+
+
+def _setup(last_k: int):
+    p = params.HariParams(quantization="none", dtype="float32", device_map="cpu", lora_last_k_layers=last_k)
+    loaded = load_model(p)
+    torch.manual_seed(0)
+    model, plan = apply_lora(loaded.model, p)
+    with torch.no_grad():  # a non-zero adapter, so student and reference really differ
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(std=0.3)
+    rows = load_rows("data/sft_tiny.jsonl").rows[:5]
+    enc = encode_rows(loaded.tokenizer, rows, 96, "You are DeepSeek-R1.")
+    batch = collate(enc.examples, loaded.tokenizer.pad_token_id, model.config.vocab_size)
+    assert (batch["attention_mask"] == 0).any(), "the batch must contain padding"
+    model.train()
+    return model, plan, batch
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["last1", "last2"])
+def setup(request):
+    return _setup(request.param)
+
+
+def _grads(model, parts):
+    model.zero_grad(set_to_none=True)
+    parts.loss.backward()
+    return torch.cat([q.grad.reshape(-1) for q in model.parameters() if q.requires_grad])
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.9])
+@pytest.mark.parametrize("kl_tokens", ["all", "assistant"])
+def test_fast_equals_naive_in_value_and_gradients(setup, lam, kl_tokens):
+    model, plan, batch = setup
+    naive = naive_loss(model, batch, lam, 1.5, kl_tokens)
+    g_naive = _grads(model, naive)
+    fast = fast_loss(model, batch, lam, 1.5, min(plan.layers), kl_tokens, chunk=7)
+    g_fast = _grads(model, fast)
+    assert fast.ce_tokens == naive.ce_tokens and fast.kl_tokens == naive.kl_tokens
+    assert abs(float(fast.loss) - float(naive.loss)) <= 1e-5 * abs(float(naive.loss))
+    assert float((g_fast - g_naive).norm() / g_naive.norm()) < 1e-5
+    if lam > 0:
+        assert naive.kl > 1e-4  # the KL term is really exercised
+
+
+def test_lambda_zero_is_plain_assistant_ce(setup):
+    model, _, batch = setup
+    parts = naive_loss(model, batch, 0.0, 1.5)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                            batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    assert torch.allclose(parts.loss, ref, rtol=1e-6)
+
+
+def test_kl_is_zero_when_the_adapter_is_zero():
+    model, plan, batch = _setup(1)
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.zero_()
+    parts = fast_loss(model, batch, 0.9, 1.5, min(plan.layers))
+    assert parts.kl == pytest.approx(0.0, abs=1e-7)
+
+
+def test_kl_uses_the_temperature_and_lambda(setup):
+    model, plan, batch = setup
+    a = naive_loss(model, batch, 0.5, 1.0)
+    b = naive_loss(model, batch, 0.5, 2.0)
+    assert a.kl != pytest.approx(b.kl)
+    assert float(a.loss) == pytest.approx(a.ce + 0.5 * 1.0 * a.kl, rel=1e-5)
+    assert float(b.loss) == pytest.approx(b.ce + 0.5 * 4.0 * b.kl, rel=1e-5)
