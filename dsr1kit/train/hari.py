@@ -14,8 +14,9 @@ without it, KL over full [B, S, V] logits.
 ``fast`` (default): layers below the first adapted layer carry no adapter, so
 their output is the same for student and reference: run them once under
 ``no_grad``; run only the adapted layers twice (adapter on with grad, off
-without); then norm → lm_head → CE/KL over chunks of the needed positions,
-each chunk recomputed in backward, so full [S, V] logits never exist.
+without); then norm → lm_head → CE/KL over chunks of the needed positions
+with the logits' gradient in closed form, so full [S, V] logits never exist
+and no chunk is recomputed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..data.labels import IGNORE
 from ..model.lora import decoder_layers
@@ -142,9 +142,46 @@ def _head(model):
     return inner.norm, base.get_output_embeddings()
 
 
+def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperature, w_ce, w_kl):
+    """CE/KL sums of one chunk and d(loss)/d(h), with the logits' gradient in closed form.
+
+    d CE/dz = softmax(z) - onehot(target);  d KL(q || p_T)/dz = (softmax(z/T) - q) / T.
+    Only norm → lm_head goes through autograd, so no [chunk, V] activation is
+    kept for a backward pass and nothing is recomputed.
+    """
+    h = h.detach().requires_grad_(True)
+    with torch.enable_grad():
+        logits = lm_head(norm(h))
+    with torch.no_grad():
+        z = logits.detach().float()
+        valid = targets != IGNORE
+        tgt = targets.clamp_min(0).unsqueeze(1)
+        ce_sum = ((torch.logsumexp(z, -1) - z.gather(1, tgt).squeeze(1)) * valid).sum()
+        grad = torch.softmax(z, -1)
+        grad.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=grad.dtype))
+        grad.mul_((valid.float() * w_ce).unsqueeze(1))
+        kl_sum = z.new_zeros(())
+        if ref_h is not None:
+            log_q = torch.log_softmax(lm_head(norm(ref_h)).float() / temperature, -1)
+            log_p = torch.log_softmax(z / temperature, -1)
+            del z
+            q = log_q.exp()
+            kl_sum = ((q * (log_q - log_p)).sum(-1) * kl_select).sum()
+            del log_q
+            p_t = log_p.exp_()
+            grad.add_((p_t - q).mul_((kl_select * (w_kl / temperature)).unsqueeze(1)))
+    logits.backward(grad.to(logits.dtype))
+    return ce_sum, kl_sum, h.grad
+
+
 def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,
               first_layer: int, kl_tokens: KlTokens = "all", chunk: int = 1024) -> LossParts:
-    """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks."""
+    """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks.
+
+    The returned loss is a surrogate: its value is the true loss and its
+    gradient with respect to the adapted layers' output is the one computed
+    chunk by chunk, so ``loss.backward()`` works as for ``naive_loss``.
+    """
     hidden, args, kwargs = prefix_forward(model, batch, first_layer)
     student = run_layers(model, first_layer, hidden, args, kwargs)
     ref = None
@@ -154,27 +191,28 @@ def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperatu
     dev = student.device
     targets = next_token_targets(batch["labels"]).to(dev)
     select = kl_mask(batch, kl_tokens).to(dev)
+    n_ce, n_kl = int((targets != IGNORE).sum()), int(select.sum())
     needed = (targets != IGNORE) | (select if lambda_kl > 0 else torch.zeros_like(select))
     hs, tg, sel = student[needed], targets[needed], select[needed].float()
     hr = ref[needed] if ref is not None else None
+    del ref
     norm, lm_head = _head(model)
-
-    def chunk_terms(h, r, t, s):
-        logits = lm_head(norm(h))
-        ref_logits = None
-        if r is not None:
-            with torch.no_grad():
-                ref_logits = lm_head(norm(r))
-        return token_terms(logits, ref_logits, t, s, temperature)
-
-    ce_sum = hs.new_zeros((), dtype=torch.float32)
-    kl_sum = hs.new_zeros((), dtype=torch.float32)
+    w_ce = 1.0 / max(n_ce, 1)
+    w_kl = lambda_kl * temperature**2 / max(n_kl, 1) if lambda_kl > 0 else 0.0
+    ce_sum = kl_sum = 0.0
+    grads = []
     for start in range(0, hs.shape[0], chunk):
         end = start + chunk
-        r = hr[start:end] if hr is not None else None
-        c, k = checkpoint(chunk_terms, hs[start:end], r, tg[start:end], sel[start:end], use_reentrant=False)
-        ce_sum, kl_sum = ce_sum + c, kl_sum + k
-    return _combine(ce_sum, kl_sum, int((targets != IGNORE).sum()), int(select.sum()), lambda_kl, temperature)
+        c, k, g = chunk_terms_and_grad(norm, lm_head, hs[start:end], None if hr is None else hr[start:end],
+                                       tg[start:end], sel[start:end], temperature, w_ce, w_kl)
+        ce_sum, kl_sum = ce_sum + float(c), kl_sum + float(k)
+        grads.append(g)
+    grad_hs = torch.cat(grads) if grads else torch.zeros_like(hs)
+    ce, kl = ce_sum / max(n_ce, 1), kl_sum / max(n_kl, 1)
+    value = ce + (lambda_kl * temperature**2 * kl if lambda_kl > 0 else 0.0)
+    surrogate = (hs.float() * grad_hs.float()).sum()  # fp32, so the value below is not rounded
+    loss = surrogate - surrogate.detach() + value
+    return LossParts(loss, ce, kl, n_ce, n_kl)
 
 
 def hari_loss(model, batch, p, first_layer: int) -> LossParts:

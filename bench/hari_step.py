@@ -1,0 +1,200 @@
+"""HARI step on one GPU: the recipe vs the kit's naive (fp32 KL) vs fast path, side by side.
+
+    python bench/hari_step.py [--seq 2048 4096 8192] [--layers 8] [--out results.json]
+
+A random-init DeepSeek-V3-architecture model (hidden 2048, 8 layers, 64
+experts top-6, MLA, vocab 129,280; ~4.5B parameters, bf16) with LoRA on the
+last layer's q_a_proj/q_b_proj (r=4). For each sequence length: median step
+time (forward + backward, after warm-up), peak memory above the model, and
+ratios against the recipe; plus the cosine between the fast path's LoRA
+gradients and the naive path's (fp32 KL), the exactness claim of the fast
+path. Prints a table and writes JSON.
+
+recipe  = as the field reports ran it: prepare_model_for_kbit_training (which makes the
+          embedding output require grad, so backward runs through every layer), a full
+          forward with the adapter, a full forward without it (no_grad), full-vocab KL in
+          bf16 on [S, V] logits (the fp32 upcast of that helper is left out here)
+naive   = the kit's reference: the same, with the KL in fp32
+fast    = frozen prefix once under no_grad, last layer twice, chunked fp32 CE+KL
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dsr1kit.model.lora import apply_lora  # noqa: E402
+from dsr1kit.train.hari import fast_loss, naive_loss  # noqa: E402
+
+T, LAMBDA = 1.5, 0.9
+
+
+def build_model(layers: int):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=129280, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=16384, tie_word_embeddings=False, use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    for q in model.parameters():
+        q.requires_grad_(False)
+    p = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_last_k_layers=1, lora_targets=[])
+    model, plan = apply_lora(model, p)
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(std=0.02)  # a trained-looking adapter: the KL is not zero
+    model.train()
+    return model, plan
+
+
+def recipe_loss(model, batch):
+    """The field recipe: HF CE on labels + λ·T²·KL in bf16 over full logits, input grads on."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    with torch.no_grad(), model.disable_adapter():
+        ref = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    kl = F.kl_div(F.log_softmax(out.logits / T, -1)[mask], F.log_softmax(ref / T, -1)[mask],
+                  log_target=True, reduction="batchmean")
+    del ref
+    return out.loss + LAMBDA * T * T * kl
+
+
+def make_batch(seq: int):
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, 129280, (1, seq), generator=g).cuda()
+    labels = ids.clone()
+    labels[:, : seq // 2] = -100  # the first half is the prompt
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def step(model, batch, impl: str, first_layer: int):
+    if impl == "recipe":
+        handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: o.requires_grad_(True))
+        try:
+            loss = recipe_loss(model, batch)
+        finally:
+            handle.remove()
+    elif impl == "naive":
+        loss = naive_loss(model, batch, LAMBDA, T).loss
+    else:
+        loss = fast_loss(model, batch, LAMBDA, T, first_layer, chunk=1024).loss
+    loss.backward()
+
+
+def phases(model, batch, first_layer, reps=3) -> dict[str, float]:
+    """Median ms of each phase of the fast path and of the naive path (CUDA-synchronized)."""
+    from dsr1kit.train.hari import prefix_forward, run_layers
+
+    def timed(fn):
+        out = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return round(statistics.median(out), 1)
+
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    res = {"prefix_no_grad": timed(lambda: prefix_forward(model, batch, first_layer))}
+    h, a, k = prefix_forward(model, batch, first_layer)
+    res["last_layer_grad"] = timed(lambda: run_layers(model, first_layer, h, a, k))
+    with torch.no_grad(), model.disable_adapter():
+        res["last_layer_ref"] = timed(lambda: run_layers(model, first_layer, h, a, k))
+    res["naive_student_fwd"] = timed(lambda: model(input_ids=ids, attention_mask=attn))
+    with torch.no_grad(), model.disable_adapter():
+        res["naive_ref_fwd"] = timed(lambda: model(input_ids=ids, attention_mask=attn))
+    res["fast_total"] = timed(lambda: (fast_loss(model, batch, LAMBDA, T, first_layer).loss.backward(),
+                                       model.zero_grad(set_to_none=True)))
+    res["naive_total"] = timed(lambda: (naive_loss(model, batch, LAMBDA, T).loss.backward(),
+                                        model.zero_grad(set_to_none=True)))
+    return res
+
+
+def lora_grads(model):
+    return torch.cat([q.grad.float().reshape(-1) for q in model.parameters() if q.requires_grad])
+
+
+def measure(model, batch, impl, first_layer, warmup=2, iters=5):
+    for _ in range(warmup):
+        step(model, batch, impl, first_layer)
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step(model, batch, impl, first_layer)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default="hari_step.json")
+    args = ap.parse_args()
+    model, plan = build_model(args.layers)
+    first = min(plan.layers)
+    n_params = sum(q.numel() for q in model.parameters())
+    print(f"{torch.cuda.get_device_name()}  model {n_params / 1e9:.2f}B params, "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; LoRA on {plan.modules}")
+    results = []
+    for seq in args.seq:
+        batch = make_batch(seq)
+        row = {"seq": seq}
+        for impl in ("recipe", "naive", "fast"):
+            t, mem = measure(model, batch, impl, first, iters=args.iters)
+            row[f"{impl}_ms"], row[f"{impl}_peak_gib"] = round(t * 1e3, 1), round(mem, 2)
+        step(model, batch, "naive", first)
+        g_naive = lora_grads(model)
+        model.zero_grad(set_to_none=True)
+        step(model, batch, "fast", first)
+        g_fast = lora_grads(model)
+        model.zero_grad(set_to_none=True)
+        row["grad_cosine"] = float(F.cosine_similarity(g_naive, g_fast, dim=0))
+        row["grad_rel_err"] = float((g_naive - g_fast).norm() / g_naive.norm())
+        row["speedup_vs_recipe"] = round(row["recipe_ms"] / row["fast_ms"], 2)
+        row["memory_ratio_vs_recipe"] = round(row["recipe_peak_gib"] / row["fast_peak_gib"], 2)
+        row["speedup_vs_naive"] = round(row["naive_ms"] / row["fast_ms"], 2)
+        row["memory_ratio_vs_naive"] = round(row["naive_peak_gib"] / row["fast_peak_gib"], 2)
+        row["phases_ms"] = phases(model, batch, first)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del batch
+        torch.cuda.empty_cache()
+    head = f"{'S':>6} {'recipe ms':>10} {'naive ms':>9} {'fast ms':>8} {'×recipe':>8} {'×naive':>7} " \
+           f"{'recipe GiB':>10} {'naive GiB':>9} {'fast GiB':>8} {'mem×rec':>8} {'cosine':>9}"
+    print(head)
+    for r in results:
+        print(f"{r['seq']:>6} {r['recipe_ms']:>10} {r['naive_ms']:>9} {r['fast_ms']:>8} "
+              f"{r['speedup_vs_recipe']:>8} {r['speedup_vs_naive']:>7} {r['recipe_peak_gib']:>10} "
+              f"{r['naive_peak_gib']:>9} {r['fast_peak_gib']:>8} {r['memory_ratio_vs_recipe']:>8} "
+              f"{r['grad_cosine']:>9.6f}")
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "params": n_params,
+                                          "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
