@@ -50,6 +50,16 @@ class RunResult:
     status: dict[str, Any]
 
 
+def process_rank(env: dict[str, str] | None = None) -> int:
+    """This process's rank when several run the same notebook (srun one task per node, torchrun)."""
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return int(env["RANK"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
 def new_run_id(notebook: str) -> str:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{Path(notebook).stem}-{secrets.token_hex(3)}"
@@ -169,12 +179,17 @@ def run_notebook(
     p = P.load(notebook, param_files, overrides)
     if run_dir:
         p.run_dir = str(Path(run_dir).resolve())
-    out_dir = ensure_run_dir(p, runs_root)
+    shared_dir = ensure_run_dir(p, runs_root)
+    rank = process_rank()
+    # Every rank works in the shared run folder; rank 0's report is the run report, the others
+    # keep theirs under ranks/rank<k>/ (a failing rank's traceback is there).
+    out_dir = shared_dir if rank == 0 else shared_dir / "ranks" / f"rank{rank}"
+    out_dir.mkdir(parents=True, exist_ok=True)
     resolved = p.to_dict()
     (out_dir / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     _write_json(out_dir / "env.json", collect_environment())
     status: dict[str, Any] = {
-        "run_id": out_dir.name, "notebook": notebook.stem, "status": "running",
+        "run_id": shared_dir.name, "notebook": notebook.stem, "status": "running", "rank": rank,
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "param_files": [str(f) for f in param_files], "overrides": sorted((overrides or {}).keys()),
     }
@@ -202,7 +217,7 @@ def run_notebook(
             cell = _failed_cell(ipynb) if ipynb.is_file() else None
             status["failed_cell"] = cell or {"index": None, "ename": type(error).__name__,
                                              "evalue": str(error)[:400]}
-        summary = out_dir / SUMMARY
+        summary = shared_dir / SUMMARY
         if summary.is_file():
             status["summary"] = json.loads(summary.read_text())
         if ipynb.is_file():

@@ -130,3 +130,24 @@ def test_interactive_session_gets_its_own_run_dir(tmp_path):
     run_dir = report.ensure_run_dir(p, runs_root=tmp_path)
     assert run_dir.parent == tmp_path and "00_cluster_check" in run_dir.name
     assert p.run_dir == str(run_dir.resolve())
+
+
+@pytest.mark.parametrize("env,rank", [
+    ({}, 0), ({"RANK": "3", "WORLD_SIZE": "4"}, 3), ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, 1),
+    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, 0),
+])
+def test_process_rank_from_torchrun_or_slurm(env, rank):
+    from dsr1kit.report import process_rank
+
+    assert process_rank(env) == rank
+
+
+def test_other_ranks_report_under_ranks_folder(tmp_path, cli):
+    """srun starts the notebook on every node: rank k>0 keeps its report in ranks/rank<k>/."""
+    run_dir = tmp_path / "shared"
+    proc = cli("run", NB00, "-f", TINY00, "--run-dir", str(run_dir), "-q",
+               env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / "ranks" / "rank1" / "report.html").is_file()
+    assert not (run_dir / "report.html").exists()
+    assert json.loads((run_dir / "ranks" / "rank1" / "status.json").read_text())["rank"] == 1
