@@ -115,39 +115,61 @@ class ClusterCheckParams(NotebookParams):
     expected_nodes: int = Field(1, ge=1, description="Nodes the job should span")
     expected_gpus_per_node: int = Field(0, ge=0, description="GPUs each node must see; 0 = CPU run")
     shm_min_free_gib: float = Field(1.0, ge=0, description="/dev/shm free space below this fails")
-    scratch_dir: str = Field("", description="Node-local scratch (NVMe); empty = $TMPDIR or /tmp")
-    scratch_min_free_gib: float = Field(10.0, ge=0, description="Scratch free space below this fails")
+    scratch_dir: str = Field("", description="Node-local scratch (NVMe); empty = $NVME_DIR, $TMPDIR or /tmp")
+    scratch_min_free_gib: float = Field(10.0, ge=0, description="Scratch free space below this warns")
     allreduce_sizes_mib: list[float] = Field([1.0, 16.0, 64.0], description="All-reduce message sizes")
+    allreduce_timeout_s: float = Field(120.0, gt=0, description="Give up on ranks that have not joined after this")
+    local_ranks: int = Field(2, ge=1, description="Processes for the all-reduce when run outside Slurm")
     expected_busbw_gbps: float = Field(0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0 = no target")
     ray_address: str = Field("", description="Ray head to inspect (host:port); empty = no Ray check")
     ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0 = not checked")
-    rank_results_dir: str = Field("", description="Folder where per-rank check rows were written by srun")
+    rank_results_dir: str = Field("", description="Folder where per-rank check rows were written by srun; "
+                                  "empty = run `local_ranks` processes here")
 
 
 class InferenceParams(NotebookParams):
     notebook: str = Field("10_vllm_inference", exclude=True, repr=False)
+    # -- model and server
     model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
     served_model_name: str = Field("model", description="Name the server answers to")
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
-    enable_expert_parallel: bool = False
-    distributed_executor_backend: Literal["mp", "ray", "uni"] = "mp"
+    host: str = Field("127.0.0.1", description="Address the server binds to and the client calls")
+    port: int = Field(0, ge=0, le=65535, description="Server port; 0 = a free one")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (all GPUs of all nodes on R1)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (usually 1: TP across nodes)")
+    data_parallel_size: int = Field(1, ge=1, description="Model replicas")
+    enable_expert_parallel: bool = Field(False, description="Spread MoE experts over the GPUs instead of slicing them")
+    distributed_executor_backend: Literal["mp", "ray", "uni"] = Field(
+        "mp", description="ray across nodes (the sbatch brings Ray up); mp on one node and on CPU")
     gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Start at 0.90, raise once stable")
     max_num_seqs: int = Field(64, ge=1, description="Raise step by step once stable")
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1, description="Tokens per engine step; raise once stable")
     max_model_len: int = Field(4096, ge=16, description="Prompts longer than this minus max_new_tokens are excluded")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    lora_adapter: str = Field("", description="Adapter dir to serve and compare with the base; empty = base only")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights dtype; auto = the checkpoint's")
+    enforce_eager: bool = Field(False, description="Skip graph capture/compile: faster start, slower decode")
     extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
+    server_env: dict[str, str] = Field({}, description="Extra environment for the server, e.g. VLLM_CPU_KVCACHE_SPACE")
     ready_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health and a first completion")
-    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local file or hub name)")
+    # -- adapter
+    lora_adapter: str = Field("", description="Adapter dir to serve and compare with the base; empty = base only; "
+                                              "'latest' = newest HARI run's adapter beside this run")
+    lora_name: str = Field("adapter", description="Name the adapter is served under")
+    max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank; must be >= the adapter's r")
+    adapter_mode: Literal["lora", "merge"] = Field(
+        "lora", description="lora = serve with --enable-lora and check parity; merge = merge into a copy of the "
+                            "base and serve that (MoE on CPU, or an adapter vLLM ignores)")
+    merge_if_ignored: bool = Field(True, description="When the parity check says vLLM ignores the adapter, "
+                                                     "merge it and evaluate the merged copy instead")
+    parity_prompts: int = Field(3, ge=1, description="Prompts compared token by token, PEFT vs vLLM")
+    parity_tol: float = Field(0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)")
+    # -- evaluation
+    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name)")
     eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0 = all")
-    system_prompt: str = "You are DeepSeek-R1."
-    max_new_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
+    max_new_tokens: int = Field(256, ge=1, description="Generated tokens per answer")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
     concurrency: int = Field(16, ge=1, description="Requests in flight")
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout")
+    retries: int = Field(3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)")
 
 
 class HariParams(NotebookParams):

@@ -38,8 +38,12 @@ class Row:
         return asdict(self)
 
 
-def _host() -> str:
-    return socket.gethostname()
+def node_name() -> str:
+    """The Slurm node name when inside a job (two test "nodes" may share a host), else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+_host = node_name
 
 
 def check_python(min_version: tuple[int, int] = (3, 10)) -> Row:
@@ -84,10 +88,27 @@ def gpu_inventory() -> list[dict]:
     return out
 
 
+def driver_version() -> str:
+    """The NVIDIA driver version from nvidia-smi, or '' without one."""
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out[0] if out else ""
+
+
 def check_gpus(expected_per_node: int, gpus: list[dict] | None = None) -> Row:
     gpus = gpu_inventory() if gpus is None else gpus
     names = sorted({g["name"] for g in gpus})
-    measured = f"{len(gpus)} × {', '.join(names)}" if gpus else "0 (CPU only)"
+    memory = sorted({g["memory_gib"] for g in gpus})
+    driver = driver_version() if gpus else ""
+    measured = (f"{len(gpus)} × {', '.join(names)} ({', '.join(f'{m:g}' for m in memory)} GiB"
+                + (f", driver {driver})" if driver else ")")) if gpus else "0 (CPU only)"
     if expected_per_node == 0:
         return Row("gpu inventory", PASS, measured, "CPU run (0 GPUs expected)", "", _host())
     if len(gpus) < expected_per_node:
@@ -196,3 +217,46 @@ def raise_if_failed(rows: list[Row]) -> None:
     failed = [r for r in rows if r.status == FAIL]
     if failed:
         raise ChecksFailed("; ".join(f"{r.name} on {r.host}: {r.measured} → {r.fix}" for r in failed))
+
+
+# -- gathering the per-rank results (written by dsr1kit.cluster.rank_check) -------------------
+def load_ranks(folder: str | Path) -> list[dict]:
+    """Every rank-NNNN.json in `folder`, by rank."""
+    import json
+
+    ranks = [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank-*.json"))]
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
+def gathered_rows(ranks: list[dict], expected_nodes: int) -> list[Row]:
+    """Cross-node checks (who reported, node count, identical GPUs) followed by every rank's rows."""
+    rows: list[Row] = []
+    world = max((r["world_size"] for r in ranks), default=0)
+    missing = sorted(set(range(world)) - {r["rank"] for r in ranks})
+    if not ranks or missing:
+        rows.append(Row("ranks reported", FAIL, f"{len(ranks)} of {world or '?'} ranks" +
+                        (f"; missing {', '.join(map(str, missing))}" if missing else ""), "every rank",
+                        "read the job's output file (%x-%j.out) for the missing rank's traceback", "cluster"))
+    else:
+        rows.append(Row("ranks reported", PASS, f"{world} of {world}", "every rank", "", "cluster"))
+    nodes = sorted({r["node"] for r in ranks})
+    ok = len(nodes) == expected_nodes
+    rows.append(Row("nodes", PASS if ok else FAIL, f"{len(nodes)}: {', '.join(nodes)}", f"{expected_nodes}",
+                    "" if ok else f"submit with `sbatch -N {expected_nodes}` (#SBATCH --nodes={expected_nodes}) "
+                    "and one task per node, or fix expected_nodes", "cluster"))
+    kinds = {n: sorted((g["name"], g["memory_gib"]) for g in r["gpus"]) for r in ranks for n in [r["node"]]
+             if r["local_rank"] == 0}
+    same = len({tuple(v) for v in kinds.values()}) <= 1
+    rows.append(Row("gpu inventory across nodes", PASS if same else FAIL,
+                    "identical" if same else "; ".join(f"{n}: {len(v)} × {v[0][0] if v else '-'}"
+                                                      for n, v in kinds.items()),
+                    "the same GPUs on every node", "" if same else
+                    "pin the partition/constraint (#SBATCH --constraint=...) so all nodes match", "cluster"))
+    for r in ranks:
+        rows += [Row(**row) for row in r["rows"]]
+    return rows
+
+
+def bandwidth_results(ranks: list[dict]) -> dict:
+    """Rank 0's all-reduce measurement (all ranks time the same collective)."""
+    return next((r["allreduce"] for r in ranks if r["rank"] == 0), {})

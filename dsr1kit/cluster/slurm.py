@@ -1,0 +1,310 @@
+"""The Slurm job as this process sees it: layout, node list, rendezvous, node IP, GPU visibility.
+
+Everything comes from ``SLURM_*`` variables and ``scontrol``; nothing here
+imports torch, so ``slurm/prelude.sh`` can call it on every node:
+
+    eval "$(python -m dsr1kit.cluster.slurm env)"   # MASTER_ADDR MASTER_PORT NODE_INDEX NODE_IP
+
+The rendezvous follows the recipe: the first host of ``scontrol show hostnames
+$SLURM_JOB_NODELIST`` resolved to IPv4, port ``15000 + JOBID % 10000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
+
+from . import net
+from .checks import FAIL, PASS, Row, node_name
+
+PORT_BASE, PORT_SPAN = 15000, 10000
+# Several "nodes" on one host (the test cluster): one IP per node index, space separated.
+NODE_IPS_ENV = "DSR1KIT_NODE_IPS"
+
+
+class ResolveError(RuntimeError):
+    """A host name that neither DNS nor Slurm can turn into an IPv4 address."""
+
+
+def _int(value: str | None) -> int | None:
+    """'8', 'h100:8' or 'gres/gpu:h100=8' -> 8; '' or None -> None."""
+    if not value:
+        return None
+    m = re.search(r"(\d+)\s*$", value.split(",")[0])
+    return int(m.group(1)) if m else None
+
+
+def _gpus_per_task(env: Mapping[str, str]) -> int | None:
+    if env.get("SLURM_GPUS_PER_TASK"):
+        return _int(env["SLURM_GPUS_PER_TASK"])
+    for part in env.get("SLURM_TRES_PER_TASK", "").split(","):  # newer Slurm: cpu=4,gres/gpu=1
+        if "gpu" in part:
+            return _int(part.replace("=", ":"))
+    return None
+
+
+@dataclass
+class SlurmJob:
+    job_id: int
+    nodelist: str
+    num_nodes: int
+    ntasks: int
+    ntasks_per_node: int
+    gpus_per_node: int | None = None
+    gpus_per_task: int | None = None
+    node_id: int = 0
+    proc_id: int = 0
+    local_id: int = 0
+    node_name: str = ""
+    job_name: str = ""
+    hostnames: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, expand: bool = True) -> "SlurmJob | None":
+        """The job of this process, or None outside Slurm."""
+        env = os.environ if env is None else env
+        if not env.get("SLURM_JOB_ID"):
+            return None
+        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        per_node = _int(env.get("SLURM_NTASKS_PER_NODE")) or _int(
+            env.get("SLURM_TASKS_PER_NODE", "1").split("(")[0]) or 1
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        job = cls(job_id=int(env["SLURM_JOB_ID"]), nodelist=nodelist, num_nodes=nodes,
+                  ntasks=int(env.get("SLURM_NTASKS") or nodes * per_node), ntasks_per_node=per_node,
+                  gpus_per_node=_int(env.get("SLURM_GPUS_PER_NODE")), gpus_per_task=_gpus_per_task(env),
+                  node_id=int(env.get("SLURM_NODEID", 0)), proc_id=int(env.get("SLURM_PROCID", 0)),
+                  local_id=int(env.get("SLURM_LOCALID", 0)), node_name=env.get("SLURMD_NODENAME", ""),
+                  job_name=env.get("SLURM_JOB_NAME", ""))
+        if expand and nodelist:
+            job.hostnames = expand_nodelist(nodelist, env=env)
+            # Inside an srun step SLURM_NTASKS_PER_NODE etc. describe the step; the job's own
+            # request (the thing to fix) comes from the controller.
+            job.apply_request(job_request(job.job_id, env))
+        return job
+
+    def apply_request(self, request: dict[str, int | None]) -> None:
+        for key, value in request.items():
+            if value is not None:
+                setattr(self, key, value)
+
+    def layout(self) -> str:
+        """The job's request as sbatch options, e.g. '--nodes=2 --ntasks-per-node=8 --gpus-per-task=1'."""
+        parts = [f"--nodes={self.num_nodes}", f"--ntasks-per-node={self.ntasks_per_node}"]
+        if self.gpus_per_node is not None:
+            parts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.gpus_per_task is not None:
+            parts.append(f"--gpus-per-task={self.gpus_per_task}")
+        return " ".join(parts)
+
+    @property
+    def node_index(self) -> int:
+        """Position of this node in the job's node list (SLURM_NODEID is relative to the step)."""
+        if self.node_name in self.hostnames:
+            return self.hostnames.index(self.node_name)
+        return self.node_id
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def job_request(job_id: int, env: Mapping[str, str] | None = None) -> dict[str, int | None]:
+    """The job's layout as submitted, from `scontrol show job -o`; {} when scontrol cannot tell."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                              timeout=20, env=dict(env) if env is not None else None)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_job_request(proc.stdout) if proc.returncode == 0 else {}
+
+
+def parse_job_request(line: str) -> dict[str, int | None]:
+    """ntasks_per_node, gpus_per_node, gpus_per_task from one `scontrol show job -o` line."""
+    fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+    if "NumNodes" not in fields:
+        return {}
+    nodes = int(fields["NumNodes"].split("-")[0])
+    per_node = int(fields.get("NtasksPerN:B:S:C", "0").split(":")[0] or 0)
+    if not per_node and fields.get("NumTasks", "").isdigit():
+        per_node = -(-int(fields["NumTasks"]) // nodes)
+
+    def gpus(tres: str | None) -> int | None:
+        m = re.search(r"gpu(?::[^,:=]+)?[:=](\d+)", tres or "")
+        return int(m.group(1)) if m else None
+
+    return {"ntasks_per_node": per_node or None, "gpus_per_node": gpus(fields.get("TresPerNode")),
+            "gpus_per_task": gpus(fields.get("TresPerTask"))}
+
+
+# -- node list ------------------------------------------------------------------------------
+def expand_nodelist(nodelist: str, env: Mapping[str, str] | None = None, use_scontrol: bool = True) -> list[str]:
+    """`scontrol show hostnames NODELIST`; the same expansion in Python where scontrol cannot run."""
+    if use_scontrol:
+        try:
+            proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                  timeout=20, env=dict(env) if env is not None else None)
+            if proc.returncode == 0 and proc.stdout.strip():
+                return proc.stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _expand_py(nodelist)
+
+
+def _expand_py(nodelist: str) -> list[str]:
+    """'gpu[01-02,7],login1' -> gpu01 gpu02 gpu7 login1 (zero padding kept, several brackets allowed)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    hosts: list[str] = []
+    for item in filter(None, items):
+        names = [""]
+        for text, bracket in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            choices = [text + n for n in _expand_ranges(bracket)] if bracket else [text]
+            names = [a + b for a in names for b in choices]
+        hosts += names
+    return hosts
+
+
+def _expand_ranges(spec: str) -> list[str]:
+    out = []
+    for rng in spec.split(","):
+        lo, _, hi = rng.partition("-")
+        if not hi:
+            out.append(lo)
+            continue
+        width = len(lo) if lo.startswith("0") else 0
+        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    return out
+
+
+# -- rendezvous -----------------------------------------------------------------------------
+def rendezvous_port(job_id: int) -> int:
+    """The recipe's MASTER_PORT: 15000 + JOBID % 10000 (distinct for concurrent jobs)."""
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+def resolve_ipv4(host: str, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(IPv4, how): DNS/hosts first, then Slurm's NodeAddr for the node of that name."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0], "dns"
+    except (socket.gaierror, UnicodeError):
+        pass
+    addr = _slurm_node_addr(host, env)
+    if addr:
+        try:
+            ipaddress.IPv4Address(addr)
+            return addr, "slurm NodeAddr"
+        except ValueError:
+            try:
+                return socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0], f"slurm NodeAddr {addr}"
+            except socket.gaierror:
+                pass
+    raise ResolveError(f"cannot resolve {host!r} to IPv4: not in DNS or /etc/hosts"
+                       + (f", and Slurm's NodeAddr {addr!r} does not resolve either" if addr else
+                          " and Slurm knows no NodeAddr for it"))
+
+
+def _slurm_node_addr(host: str, env: Mapping[str, str] | None) -> str | None:
+    try:
+        proc = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True,
+                              timeout=10, env=dict(env) if env is not None else None)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
+    return m.group(1) if proc.returncode == 0 and m else None
+
+
+def rendezvous(job: SlurmJob, env: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) for this job."""
+    first = job.hostnames[0] if job.hostnames else job.node_name or socket.gethostname()
+    return resolve_ipv4(first, env)[0], rendezvous_port(job.job_id)
+
+
+def node_ip(job: SlurmJob | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The IPv4 this node advertises to Ray and vLLM: the one on the interface NCCL/Gloo use."""
+    env = os.environ if env is None else env
+    override = env.get(NODE_IPS_ENV, "").split()
+    if override:
+        index = job.node_index if job else 0
+        if index >= len(override):
+            raise ValueError(f"{NODE_IPS_ENV} lists {len(override)} IPs, node index {index} has none")
+        return override[index]
+    chosen = net.chosen_interface(env)
+    if chosen and chosen.ipv4:
+        return chosen.ipv4
+    return resolve_ipv4(job.node_name if job and job.node_name else socket.gethostname(), env)[0]
+
+
+# -- GPU visibility -------------------------------------------------------------------------
+def trap_fix(gpus: int) -> str:
+    return (f"use `#SBATCH --gpus-per-node={gpus}` and `#SBATCH --ntasks-per-node=1` (one process per node "
+            f"sees all its GPUs); never --gpus-per-task=1, which shows each process only "
+            f"CUDA_VISIBLE_DEVICES=0 so cuda:local_rank fails with 'invalid device ordinal'")
+
+
+def gpu_visibility(job: SlurmJob | None, expected_per_node: int, env: Mapping[str, str] | None = None) -> Row:
+    """Judge from the job's request and CUDA_VISIBLE_DEVICES whether one process sees the node's GPUs."""
+    env = os.environ if env is None else env
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    visible = None if cvd is None else [d for d in cvd.split(",") if d.strip()]
+    measured = f"CUDA_VISIBLE_DEVICES={cvd if cvd is not None else '(unset)'}"
+    if job:
+        measured += f"; job {job.layout()}"
+    want = expected_per_node or (job.gpus_per_node if job and job.gpus_per_node else 0)
+    expected = f"one process per node sees all {want} GPUs" if want else "CPU run: any"
+    name = "gpu visibility"
+    if job and job.gpus_per_task and (job.ntasks_per_node > 1 or job.gpus_per_task < expected_per_node):
+        return Row(name, FAIL, measured + f": each of the {job.ntasks_per_node} processes per node would see "
+                   f"{job.gpus_per_task} GPU", expected, trap_fix(want or 8), node_name())
+    if expected_per_node and visible is not None and len(visible) < expected_per_node:
+        return Row(name, FAIL, measured + f": {len(visible)} of {expected_per_node} GPUs visible", expected,
+                   trap_fix(expected_per_node) + "; and do not narrow CUDA_VISIBLE_DEVICES in the script",
+                   node_name())
+    return Row(name, PASS, measured, expected, "", node_name())
+
+
+# -- shell entry point ----------------------------------------------------------------------
+def shell_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What slurm/prelude.sh exports on every node."""
+    env = os.environ if env is None else env
+    job = SlurmJob.from_env(env)
+    out = {"NODE_IP": node_ip(job, env), "NODE_INDEX": str(job.node_index if job else 0)}
+    if job:
+        addr, port = rendezvous(job, env)
+        out |= {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsr1kit.cluster.slurm", description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["env", "hostnames", "rendezvous", "node-ip"])
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "env":
+            print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in shell_env().items()))
+        elif args.what == "node-ip":
+            print(node_ip(SlurmJob.from_env()))
+        else:
+            job = SlurmJob.from_env()
+            if job is None:
+                print("not inside a Slurm job (SLURM_JOB_ID unset)", file=sys.stderr)
+                return 2
+            print("\n".join(job.hostnames) if args.what == "hostnames" else "%s %d" % rendezvous(job))
+    except (ResolveError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
