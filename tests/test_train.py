@@ -168,3 +168,14 @@ def test_qlora_nf4_trains_on_cpu(tmp_path):
 
     weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert all(float(w.float().norm()) > 0 for k, w in weights.items() if "lora_B" in k)
+
+
+def test_hari_trains_on_the_nf4_experts_model(tmp_path):
+    """quantize_experts: the streaming loader puts the fused experts in NF4; HARI still learns."""
+    proc = _train(tmp_path, "-p", "quantization", "nf4", "-p", "quantize_experts", "true", "-p", "dtype", "bfloat16",
+                  "-p", "max_steps", "3", "-p", "log_every", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["model"]["quantize_experts"] and info["model"]["memory_gib"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)

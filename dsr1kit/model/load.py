@@ -80,6 +80,24 @@ def resolve_device_map(p, config) -> tuple[dict[str, Any] | str | None, dict[Any
     return dm, max_memory
 
 
+def local_checkpoint(name: str) -> str:
+    """A local folder for ``name``: as given when it exists, else the hub snapshot (clusters only)."""
+    path = tiny.resolve_model(name)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, token=os.environ.get("HF_TOKEN"))
+
+
+def _load_streaming(p, path: str, dm, dtype):
+    """DeepSeek-V3 with NF4 experts, read layer by layer from BF16 or FP8 shards (R1 fits on one node)."""
+    from .stream_load import load_streaming
+
+    return load_streaming(local_checkpoint(path), device_map=dm if dm is not None else "cpu",
+                          nf4_linears=p.quantization == "nf4", nf4_experts=True, dtype=dtype)
+
+
 def load_model(p, rank: int = 0) -> LoadedModel:
     """Model + tokenizer for HARI parameters ``p`` (dsr1kit.params.HariParams)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,6 +107,9 @@ def load_model(p, rank: int = 0) -> LoadedModel:
     config = AutoConfig.from_pretrained(path, trust_remote_code=p.trust_remote_code, token=token)
     dtype = DTYPES[p.dtype]
     dm, max_memory = resolve_device_map(p, config)
+    if p.quantize_experts and config.model_type != "deepseek_v3":
+        raise ValueError(f"quantize_experts needs a DeepSeek-V3 checkpoint (R1, V3); {p.model} is "
+                         f"{config.model_type}: set quantize_experts: false")
     kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=p.trust_remote_code, token=token,
                                   low_cpu_mem_usage=True)
     if dm is not None:
@@ -99,7 +120,10 @@ def load_model(p, rank: int = 0) -> LoadedModel:
         kwargs["offload_folder"] = str(folder)
     if p.quantization == "nf4":
         kwargs["quantization_config"] = quantization_config(dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if p.quantize_experts:
+        model = _load_streaming(p, path, dm, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False
     for param in model.parameters():
         param.requires_grad_(False)
@@ -110,7 +134,7 @@ def load_model(p, rank: int = 0) -> LoadedModel:
     applied = quirks.apply_quirks(model)
     info = {
         "path": path, "dtype": p.dtype, "quantization": p.quantization, "resized_vocab": resized,
-        "n_layers": config.num_hidden_layers, "parameters": sum(x.numel() for x in model.parameters()),
+        "quantize_experts": p.quantize_experts, "n_layers": config.num_hidden_layers, "parameters": sum(x.numel() for x in model.parameters()),
         "memory_gib": round(model.get_memory_footprint() / 2**30, 3), "quirks": applied,
         "placement": p.device_map if dm is not None else "cpu",
         "boundary_crossings": placement.boundary_crossings(dm) if dm else 0,
