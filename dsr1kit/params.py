@@ -223,7 +223,7 @@ class InspectParams(NotebookParams):
     max_new_tokens: int = Field(48, ge=1)
     system_prompt: str = "You are DeepSeek-R1."
     max_len: int = Field(512, ge=16)
-    merge_out: str = Field("", description="Write a merged checkpoint here; empty = no merge")
+    merge_out: str = Field("", description="Merged checkpoint folder, relative to the run folder; empty = no merge")
 
 
 MODELS: dict[str, type[NotebookParams]] = {

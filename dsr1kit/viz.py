@@ -111,3 +111,44 @@ def ray_table(state: dict, names: dict[str, str] | None = None):
     rows.append({"node": "total", "ip": state.get("address", ""), "role": f"{len(rows)} nodes",
                  "CPUs": state.get("cpus", 0), "GPUs": state.get("gpus", 0)})
     return pd.DataFrame(rows).style.hide(axis="index")
+
+
+def adapter_bars(stats: list[Any]):
+    """Per adapted module: ‖A‖, ‖B‖, ‖ΔW‖ and ‖ΔW‖/‖W‖ as bars."""
+    import matplotlib.pyplot as plt
+
+    names = [s.module.replace("model.layers.", "L").replace(".self_attn.", ".") for s in stats]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 3.4))
+    x = range(len(stats))
+    w = 0.27
+    for i, (key, label) in enumerate((("norm_a", "‖A‖"), ("norm_b", "‖B‖"), ("norm_delta", "‖scale·BA‖"))):
+        ax1.bar([j + (i - 1) * w for j in x], [getattr(s, key) for s in stats], w, label=label)
+    ax1.set_xticks(list(x), names, rotation=20)
+    ax1.set_title("adapter norms")
+    ax1.legend()
+    ax2.bar(list(x), [s.ratio or 0 for s in stats], color="tab:purple")
+    ax2.set_xticks(list(x), names, rotation=20)
+    ax2.set_title("‖ΔW‖ / ‖W_base‖")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def kl_histogram(results: list[Any]):
+    """Distribution of per-token KL(base ‖ adapted) for each probe set (log x)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    values = [np.clip(np.asarray(r.kl_per_token), 1e-8, None) for r in results]
+    bins = np.logspace(-8, np.log10(max(float(v.max()) for v in values if v.size) + 1e-8), 40)
+    for r, v in zip(results, values):
+        ax.hist(v, bins=bins, alpha=0.55, label=f"{r.name} (mean {r.kl_mean:.2e})")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token KL(base ‖ adapted), nats")
+    ax.set_ylabel("tokens")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

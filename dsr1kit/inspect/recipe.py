@@ -1,0 +1,114 @@
+"""Adapter inspection in the steps notebook 30 shows: load → weights → probes → generations → merge → verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import params as P
+from ..data.plan import load_rows
+from ..paths import PROJECT_ROOT, resolve
+from .adapter import Adapter, AdapterError, ModuleStats, inspect_adapter, read_adapter, stats_frame  # noqa: F401
+from .compare import ProbeResult, compare_on, encode_probe, generations, training_slices
+from .merge import merge_into_copy, verify_merge
+
+
+def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
+    """'' → the newest adapter of a HARI run under runs/; else the given folder."""
+    if value:
+        return resolve(value)
+    root = Path(runs_root or PROJECT_ROOT / "runs")
+    found = sorted(root.glob("*20_hari_training*/adapter/adapter_config.json"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        raise AdapterError(f"no HARI adapter under {root}: run notebook 20 first or set adapter_dir")
+    return found[-1].parent
+
+
+def load_adapted(p, adapter: Adapter):
+    """Base model through the training loader (NF4 if asked), with the adapter attached."""
+    from peft import PeftModel
+
+    from ..model.load import load_model, load_tokenizer
+
+    base = p.base_model or adapter.config.get("base_model_name_or_path")
+    if not base:
+        raise AdapterError(f"{adapter.path}: adapter_config.json names no base model; set base_model")
+    on_gpu = torch.cuda.is_available()
+    hp = P.HariParams(model=base, quantization=p.quantization, dtype="bfloat16" if on_gpu else "float32",
+                      device_map="contiguous" if on_gpu else "cpu")
+    loaded = load_model(hp)
+    model = PeftModel.from_pretrained(loaded.model, str(adapter.path))
+    model.eval()
+    tok_dir = adapter.path if (adapter.path / "tokenizer_config.json").is_file() else loaded.path
+    return model, load_tokenizer(str(tok_dir)), loaded
+
+
+def probe_sets(p, adapter_dir: Path) -> dict[str, list[dict]]:
+    rows = load_rows(p.probe_dataset).rows
+    sets = training_slices(rows, adapter_dir, p.n_probe)
+    sets["retain"] = load_rows(p.retain_dataset).rows[: p.n_probe]
+    return sets
+
+
+def compare_all(model, tokenizer, sets: dict[str, list[dict]], p) -> list[ProbeResult]:
+    return [compare_on(model, encode_probe(tokenizer, rows, p.max_len, p.system_prompt), name)
+            for name, rows in sets.items()]
+
+
+def side_by_side(model, tokenizer, sets: dict[str, list[dict]], p) -> list[dict[str, str]]:
+    rows = next(iter(sets.values()))[: p.n_generate]
+    return generations(model, tokenizer, rows, p.max_new_tokens, p.system_prompt)
+
+
+def merge_and_verify(model, tokenizer, loaded, adapter: Adapter, out_dir: Path, sets) -> dict[str, Any]:
+    """Merged checkpoint in out_dir; its logits against base+adapter on a probe example."""
+    from transformers import AutoModelForCausalLM
+
+    from ..model.load import local_checkpoint
+
+    merge_into_copy(local_checkpoint(loaded.path), adapter, out_dir)
+    merged = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    ids, _ = encode_probe(tokenizer, next(iter(sets.values()))[:1], 256, "")[0]
+    check = verify_merge(model, merged, torch.tensor([ids], device=model.get_input_embeddings().weight.device))
+    check["merged_dir"] = str(out_dir)
+    return check
+
+
+def verdict(stats: list[ModuleStats], results: list[ProbeResult]) -> tuple[str, list[str]]:
+    """Did it learn (B ≠ 0, training-slice CE down) and how far did it move (retain KL)."""
+    by_name = {r.name: r for r in results}
+    lines, status = [], "ok"
+    zero_b = [s.module for s in stats if s.norm_b == 0]
+    lines.append("lora_B is non-zero in every module" if not zero_b else f"lora_B is all zero in {zero_b}")
+    if zero_b:
+        status = "fail"
+    train = by_name.get("training slice") or by_name.get("probe")
+    if train:
+        went_down = train.ce_adapted < train.ce_base
+        lines.append(f"CE on the {train.name}: {train.ce_base:.4f} → {train.ce_adapted:.4f} "
+                     f"({'down' if went_down else 'NOT down'})")
+        if not went_down:
+            status = "warn" if status == "ok" else status
+    if "held-out" in by_name:
+        h = by_name["held-out"]
+        lines.append(f"CE on held-out rows: {h.ce_base:.4f} → {h.ce_adapted:.4f}")
+    if "retain" in by_name:
+        r = by_name["retain"]
+        lines.append(f"moved on unrelated text: mean KL(base‖adapted) {r.kl_mean:.3e}, top-1 agreement "
+                     f"{r.top1_agreement:.1%}, CE {r.ce_base:.4f} → {r.ce_adapted:.4f}")
+    ratios = [s.ratio for s in stats if s.ratio is not None]
+    if ratios:
+        lines.append(f"‖ΔW‖/‖W‖ from {min(ratios):.2e} to {max(ratios):.2e} over {len(stats)} modules")
+    return status, lines
+
+
+def summary_json(stats, results, merge_check) -> str:
+    return json.dumps({"modules": [s.to_dict() for s in stats], "probes": [r.row() for r in results],
+                       "merge": merge_check}, indent=2, default=str)
+
+
+__all__ = ["find_adapter", "read_adapter", "inspect_adapter", "load_adapted", "probe_sets", "compare_all",
+           "side_by_side", "merge_and_verify", "verdict", "stats_frame"]
