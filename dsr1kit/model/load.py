@@ -94,8 +94,18 @@ def _load_streaming(p, path: str, dm, dtype):
     """DeepSeek-V3 with NF4 experts, read layer by layer from BF16 or FP8 shards (R1 fits on one node)."""
     from .stream_load import load_streaming
 
-    return load_streaming(local_checkpoint(path), device_map=dm if dm is not None else "cpu",
-                          nf4_linears=p.quantization == "nf4", nf4_experts=True, dtype=dtype)
+    model = load_streaming(local_checkpoint(path), device_map=dm if dm is not None else "cpu",
+                           nf4_linears=p.quantization == "nf4", nf4_experts=True, dtype=dtype)
+    return dispatch_across_gpus(model, dm)
+
+
+def dispatch_across_gpus(model, dm):
+    """Hooks that move activations between the GPUs of an explicit device_map (as from_pretrained does)."""
+    if isinstance(dm, dict) and len(set(dm.values())) > 1:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map=dm)
+    return model
 
 
 def load_model(p, rank: int = 0) -> LoadedModel:

@@ -152,6 +152,7 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     h = h.detach().requires_grad_(True)
     with torch.enable_grad():
         logits = lm_head(norm(h))
+    targets, kl_select = targets.to(logits.device), kl_select.to(logits.device)  # lm_head may sit on another GPU
     with torch.no_grad():
         z = logits.detach().float()
         valid = targets != IGNORE
@@ -162,7 +163,7 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
         grad.mul_((valid.float() * w_ce).unsqueeze(1))
         kl_sum = z.new_zeros(())
         if ref_h is not None:
-            log_q = torch.log_softmax(lm_head(norm(ref_h)).float() / temperature, -1)
+            log_q = torch.log_softmax(lm_head(norm(ref_h)).float().to(z.device) / temperature, -1)
             log_p = torch.log_softmax(z / temperature, -1)
             del z
             q = log_q.exp()
@@ -171,7 +172,7 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
             p_t = log_p.exp_()
             grad.add_((p_t - q).mul_((kl_select * (w_kl / temperature)).unsqueeze(1)))
     logits.backward(grad.to(logits.dtype))
-    return ce_sum, kl_sum, h.grad
+    return ce_sum.cpu(), kl_sum.cpu(), h.grad
 
 
 def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,

@@ -1,0 +1,1 @@
+"""vLLM inference: the server's lifecycle, a resumable async client, evaluation and adapter parity."""

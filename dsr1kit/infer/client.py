@@ -1,0 +1,182 @@
+"""Async OpenAI-compatible completions client: bounded concurrency, retries, resumable JSONL.
+
+Each answer is appended to a JSONL file as soon as it arrives, keyed by the
+example id, so a run that dies (server killed, job preempted) keeps what it
+got and a rerun asks only for the ids not answered yet. Connection errors,
+timeouts and 5xx are retried with exponential backoff; when a request still
+fails the whole call raises ``ClientError`` after cancelling the rest, naming
+how many answers were kept.
+
+Prompts are sent as token ids (``/v1/completions``), tokenized by the caller
+with the model's chat template, so the server adds nothing (no second BOS) and
+the prompt length is known exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+RETRY_STATUS = {500, 502, 503, 504}
+
+
+class ClientError(RuntimeError):
+    """Requests failed after retries; answers already received are kept in the JSONL file."""
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int] | str
+
+
+@dataclass
+class Stats:
+    requested: list[str] = field(default_factory=list)   # ids sent in this call
+    skipped: int = 0                                      # ids already answered in the file
+    answered: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    def percentiles(self, qs: Iterable[float] = (50, 90, 99)) -> dict[str, float]:
+        lat = sorted(self.latencies_s)
+        if not lat:
+            return {f"p{q:g}": float("nan") for q in qs}
+        return {f"p{q:g}": lat[min(len(lat) - 1, int(round(q / 100 * (len(lat) - 1))))] for q in qs}
+
+    def summary(self) -> dict[str, Any]:
+        return {"answered": self.answered, "skipped": self.skipped, "failed": self.failed,
+                "wall_s": round(self.wall_s, 3), "completion_tokens": self.completion_tokens,
+                "prompt_tokens": self.prompt_tokens, "tokens_per_s": round(self.tokens_per_s, 2),
+                "requests_per_s": round(self.answered / self.wall_s, 3) if self.wall_s else 0.0,
+                **{f"latency_{k}_s": round(v, 4) for k, v in self.percentiles().items()}}
+
+
+def read_answers(path: str | Path) -> dict[str, dict]:
+    """id -> answer row from a results JSONL (later rows win; a torn last line is ignored)."""
+    rows: dict[str, dict] = {}
+    path = Path(path)
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[str(row["id"])] = row
+    return rows
+
+
+class CompletionClient:
+    """Talks to one served model name on an OpenAI-compatible server."""
+
+    def __init__(self, base_url: str, model: str, *, concurrency: int = 16, timeout_s: float = 600.0,
+                 retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+
+    async def _post(self, http, payload: dict) -> dict:
+        import httpx
+
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await http.post(f"{self.base_url}/v1/completions", json=payload, timeout=self.timeout_s)
+                if resp.status_code in RETRY_STATUS:
+                    last = ClientError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                elif resp.status_code >= 400:  # a bad request does not get better by retrying
+                    return {"error": f"HTTP {resp.status_code}: {resp.text[:300]}"}
+                else:
+                    return resp.json()
+            except (httpx.TransportError, httpx.TimeoutException) as err:
+                last = err
+            if attempt < self.retries:
+                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+        raise ClientError(f"request failed after {self.retries + 1} attempts: {type(last).__name__}: {last}")
+
+    async def acomplete(self, requests: list[Request], out_path: str | Path, *, max_tokens: int,
+                        temperature: float = 0.0, extra: dict | None = None,
+                        on_result: Callable[[dict], None] | None = None) -> Stats:
+        import httpx
+
+        out_path = Path(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        done = read_answers(out_path)
+        todo = [r for r in requests if r.id not in done]
+        stats = Stats(skipped=len(requests) - len(todo), requested=[r.id for r in todo])
+        sem = asyncio.Semaphore(self.concurrency)
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+
+        async def one(http, req: Request, sink) -> None:
+            payload = {"model": self.model, "prompt": req.prompt, "max_tokens": max_tokens,
+                       "temperature": temperature, **(extra or {})}
+            async with sem:
+                t0 = time.perf_counter()
+                body = await self._post(http, payload)
+                latency = time.perf_counter() - t0
+            row = {"id": req.id, "model": self.model, "latency_s": round(latency, 4)}
+            if "error" in body:
+                row.update(text="", error=body["error"], prompt_tokens=0, completion_tokens=0)
+                stats.failed += 1
+            else:
+                usage = body.get("usage") or {}
+                row.update(text=body["choices"][0]["text"], finish_reason=body["choices"][0].get("finish_reason"),
+                           prompt_tokens=usage.get("prompt_tokens", 0),
+                           completion_tokens=usage.get("completion_tokens", 0))
+                stats.answered += 1
+            stats.prompt_tokens += row["prompt_tokens"]
+            stats.completion_tokens += row["completion_tokens"]
+            stats.latencies_s.append(latency)
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            if on_result:
+                on_result(row)
+
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(limits=limits, timeout=self.timeout_s) as http:
+            with open(out_path, "a") as sink:
+                tasks = [asyncio.ensure_future(one(http, r, sink)) for r in todo]
+                try:
+                    await asyncio.gather(*tasks)
+                except ClientError as err:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    stats.wall_s = time.perf_counter() - t0
+                    kept = len(read_answers(out_path))
+                    raise ClientError(f"{err}; {kept} of {len(requests)} answers kept in {out_path}; "
+                                      f"restart the server and rerun to ask only the other "
+                                      f"{len(requests) - kept}") from err
+        stats.wall_s = time.perf_counter() - t0
+        return stats
+
+    def complete(self, requests: list[Request], out_path: str | Path, **kwargs) -> Stats:
+        """Synchronous wrapper; works inside a running event loop (a Jupyter kernel) too."""
+        return run_sync(self.acomplete(requests, out_path, **kwargs))
+
+
+def run_sync(coro):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a kernel's loop is running: use another thread
+        return pool.submit(asyncio.run, coro).result()
+

@@ -1,0 +1,194 @@
+"""Evaluation: dataset → prompts (training's chat format) → context filter → scores with intervals.
+
+Every score is reported as "scored on n of N": questions whose prompt plus
+``max_new_tokens`` do not fit the served context are excluded and listed, as
+the recipe learned with HLE (a subset score is not the benchmark's score).
+Answers are read from the last ``<answer>…</answer>`` block; multiple-choice
+rows are scored on the option letter, others by normalised exact match.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..data.chat import LETTERS, options_of, to_messages
+from ..paths import resolve
+from .client import Request
+
+Z95 = 1.959964
+
+
+@dataclass
+class Prompt:
+    id: str
+    token_ids: list[int]
+    gold: str
+    category: str
+    n_options: int = 0          # > 0: multiple choice, gold is a letter
+    options: list[str] = field(default_factory=list)
+
+    def request(self) -> Request:
+        return Request(self.id, self.token_ids)
+
+
+@dataclass
+class ContextFilter:
+    kept: list[Prompt]
+    excluded: list[dict[str, Any]]   # {id, prompt_tokens}
+    budget: int                      # max prompt tokens allowed
+
+    @property
+    def total(self) -> int:
+        return len(self.kept) + len(self.excluded)
+
+    def describe(self) -> str:
+        return (f"scored on {len(self.kept)} of {self.total}: {len(self.excluded)} excluded because prompt + "
+                f"max_new_tokens exceeds max_model_len (prompt budget {self.budget} tokens)")
+
+
+def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
+    """Rows of a local JSONL file, or of a hub dataset's test split (``name`` or ``name@split``)."""
+    path = resolve(dataset)
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        from datasets import load_dataset
+
+        name, _, split = dataset.partition("@")
+        rows = [dict(r) for r in load_dataset(name, split=split or "test")]
+    for i, row in enumerate(rows):
+        row.setdefault("id", f"row-{i:06d}")
+        row["id"] = str(row["id"])
+    return rows[:limit] if limit else rows
+
+
+def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> list[Prompt]:
+    """Token ids of each row's chat prompt (system + user, generation prompt added) and its gold answer."""
+    prompts = []
+    for row in rows:
+        messages = to_messages(row, system_prompt, with_answer=False)
+        if messages is None or row.get("answer") is None:
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in some versions
+            ids = ids["input_ids"]
+        opts = options_of(row)
+        prompts.append(Prompt(row["id"], list(ids), str(row["answer"]).strip(), str(row.get("category", "all")),
+                              len(opts), opts))
+    return prompts
+
+
+def filter_by_context(prompts: list[Prompt], max_model_len: int, max_new_tokens: int) -> ContextFilter:
+    budget = max_model_len - max_new_tokens
+    kept = [p for p in prompts if len(p.token_ids) <= budget]
+    excluded = [{"id": p.id, "prompt_tokens": len(p.token_ids)} for p in prompts if len(p.token_ids) > budget]
+    return ContextFilter(kept, excluded, budget)
+
+
+# -- answer extraction and matching
+
+ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
+
+
+def extract_answer(text: str) -> str:
+    """Content of the last <answer> block (an unclosed one counts); the whole text when there is none."""
+    blocks = ANSWER_BLOCK.findall(text or "")
+    return (blocks[-1] if blocks else text or "").strip()
+
+
+def normalize(text: str) -> str:
+    text = re.sub(r"[\s]+", " ", str(text).strip().lower())
+    return text.strip(" .,:;!?\"'`()[]")
+
+
+def extract_letter(answer: str, n_options: int, options: list[str] = ()) -> str | None:
+    """The chosen option letter: a standalone letter (A, (B), C.), else an option's full text."""
+    valid = LETTERS[:n_options]
+    m = re.match(rf"^\(?([{valid}])\)?(?:[.):\s]|$)", answer.strip())
+    if m:
+        return m.group(1)
+    for letter, opt in zip(valid, options):
+        if normalize(answer) == normalize(opt):
+            return letter
+    m = re.search(rf"\b([{valid}])\b", answer)
+    return m.group(1) if m else None
+
+
+def is_correct(prompt: Prompt, text: str) -> tuple[bool, str]:
+    """(correct, extracted prediction) for one generation."""
+    answer = extract_answer(text)
+    if prompt.n_options:
+        letter = extract_letter(answer, prompt.n_options, prompt.options)
+        return letter == prompt.gold.strip().upper()[:1], letter or ""
+    return normalize(answer) == normalize(prompt.gold), answer
+
+
+# -- scores
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for k successes out of n (95% by default)."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: dict[str, int] | None = None):
+    """Per-example DataFrame and a per-category accuracy table (with 'all') carrying n of N and the 95% CI.
+
+    ``total_by_category`` is N before the context filter; rows with no answer count as wrong.
+    """
+    import pandas as pd
+
+    rows = []
+    for p in prompts:
+        ans = answers.get(p.id) or {}
+        ok, pred = is_correct(p, ans.get("text", "")) if ans else (False, "")
+        rows.append({"id": p.id, "category": p.category, "gold": p.gold, "prediction": pred, "correct": ok,
+                     "answered": bool(ans) and not ans.get("error"), "text": ans.get("text", "")})
+    per_example = pd.DataFrame(rows, columns=["id", "category", "gold", "prediction", "correct", "answered", "text"])
+    totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
+    table = []
+    groups = [("all", per_example)] + sorted(per_example.groupby("category"), key=lambda g: g[0])
+    for name, df in groups:
+        n, k = len(df), int(df["correct"].sum())
+        big_n = sum(totals.values()) if name == "all" else totals.get(name, n)
+        lo, hi = wilson(k, n)
+        table.append({"category": name, "accuracy": k / n if n else float("nan"), "ci95_low": lo, "ci95_high": hi,
+                      "correct": k, "n": n, "N": big_n, "scored_on": f"{n} of {big_n}"})
+    return per_example, pd.DataFrame(table)
+
+
+def category_totals(prompts: list[Prompt]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in prompts:
+        out[p.category] = out.get(p.category, 0) + 1
+    return out
+
+
+def results_path(run_dir: str | Path, label: str) -> Path:
+    return Path(run_dir) / "answers" / f"{label}.jsonl"
+
+
+def run_eval(base_url: str, model_name: str, prompts: list[Prompt], out_path: str | Path, p,
+             progress: bool = True):
+    """Ask the server for every prompt not yet answered in out_path (tqdm progress); return the client Stats."""
+    from tqdm import tqdm
+
+    from .client import CompletionClient, read_answers
+
+    ids = {pr.id for pr in prompts}
+    already = len(ids & set(read_answers(out_path)))
+    client = CompletionClient(base_url, model_name, concurrency=p.concurrency, timeout_s=p.request_timeout_s,
+                              retries=p.retries)
+    with tqdm(total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress) as bar:
+        return client.complete([pr.request() for pr in prompts], out_path, max_tokens=p.max_new_tokens,
+                               temperature=p.temperature, on_result=lambda _row: bar.update(1))

