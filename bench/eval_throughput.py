@@ -47,12 +47,12 @@ def offline(model_path: str, ids: list[list[int]], max_new: int, max_num_seqs: i
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
 
 
-def online(model_path: str, ids: list[list[int]], max_new: int, max_num_seqs: int) -> dict:
+def online(model_path: str, ids: list[list[int]], max_new: int, max_num_seqs: int, env: dict) -> dict:
     from dsr1kit.infer.client import CompletionClient, Request
     from dsr1kit.infer.server import ServerSpec, VLLMServer, free_port
 
     spec = ServerSpec(model=model_path, port=free_port(), max_num_seqs=max_num_seqs, seed=0,
-                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, **ENGINE)
+                      env=env, **ENGINE)
     with tempfile.TemporaryDirectory() as tmp, VLLMServer(spec, Path(tmp) / "server.log", 300) as server:
         client = CompletionClient(server.base_url, spec.served_model_name, concurrency=max_num_seqs)
         kw = dict(max_tokens=max_new, extra={"ignore_eos": True})
@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=4, help="the 96 eval prompts, this many times")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="engine batch = client concurrency")
+    ap.add_argument("--omp-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for both engines, e.g. '1' "
+                    "to leave core 0 to the API server and the client (default: vLLM's own choice)")
     ap.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -79,8 +81,9 @@ def main() -> int:
     if args.offline_only:
         print("RESULT " + json.dumps(offline(model_path, ids, args.max_new_tokens, args.max_num_seqs)))
         return 0
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     import os
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": args.omp_bind} if args.omp_bind else {})}
 
     proc = subprocess.run([sys.executable, __file__, "--offline-only", "--model", args.model, "--repeat",
                            str(args.repeat), "--max-new-tokens", str(args.max_new_tokens), "--max-num-seqs",
@@ -90,9 +93,10 @@ def main() -> int:
         print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
         return 1
     off = json.loads(line[0][7:])
-    on = online(model_path, ids, args.max_new_tokens, args.max_num_seqs)
+    on = online(model_path, ids, args.max_new_tokens, args.max_num_seqs, env)
     ratio = on["tokens_per_s"] / off["tokens_per_s"]
     result = {"prompts": len(ids), "max_new_tokens": args.max_new_tokens, "max_num_seqs": args.max_num_seqs,
+              "omp_bind": args.omp_bind or "vllm default",
               "offline": off, "online": on, "ratio": ratio}
     print(f"prompts {len(ids)} x {args.max_new_tokens} new tokens, batch {args.max_num_seqs}")
     print(f"offline LLM.generate : {off['tokens_per_s']:8.1f} tok/s  ({off['wall_s']:.2f} s)")

@@ -19,9 +19,7 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 from infer_support import assert_no_server_left
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.slow, pytest.mark.skip(
-    reason="on this host the test Slurm left the job PENDING for 540 s (munged: 'Unauthorized credential "
-           "for client UID=0'); unskip once tests/slurm_cluster.py schedules jobs again")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_IPS = {"n1": "127.0.0.2", "n2": "127.0.0.3"}
@@ -33,7 +31,8 @@ def test_two_node_job_brings_ray_up_evaluates_and_cleans_up(slurm, tmp_path):
            "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NVME_DIR": str(tmp_path / "nvme"),
            "OMP_NUM_THREADS": "1", "DSR1KIT_RAY_STOP_ALL": "0", "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
            "RAY_TMP_ROOT": str(ray_tmp), "DSR1KIT_EXPECTED_GPUS": "0"}  # emulated GPUs: Ray sees none
-    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "-N", "2", "slurm/vllm_inference.sbatch",
+    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "-N", "2", "--cpus-per-task=2",  # nodes have 16
+                          "slurm/vllm_inference.sbatch",
                           "params/tiny/10_vllm_inference.yaml", "-p", "eval_limit", "16", env=env, cwd=ROOT)
     job = slurm.wait_job(job_id, timeout=540)
     assert job.state == "COMPLETED", job.output[-4000:]
