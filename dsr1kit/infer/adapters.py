@@ -20,15 +20,11 @@ as a plain checkpoint that a server without ``--enable-lora`` loads.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .server import http_json
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
 
 
 @dataclass
@@ -128,38 +124,16 @@ def parity_check(base_url: str, base_name: str, adapter_name: str, base_dir: str
 
 
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
-    """Base weights + LoRA merged (PEFT merge_and_unload) into a plain checkpoint in out_dir."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    """Base weights + LoRA as a plain checkpoint in out_dir (shard by shard: works for R1 too)."""
+    from ..inspect.adapter import read_adapter
+    from ..inspect.merge import merge_into_copy
 
-    base_dir, out = Path(base_dir), Path(out_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype="auto")
-    dtype = base.dtype
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().to(dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(out)
-    # Keys transformers does not know (e.g. vLLM's topk_method/scoring_func) must survive the round trip.
-    original = json.loads((base_dir / "config.json").read_text())
-    saved = json.loads((out / "config.json").read_text())
-    saved.update({k: v for k, v in original.items() if k not in saved})
-    (out / "config.json").write_text(json.dumps(saved, indent=2))
-    for name in TOKENIZER_FILES:
-        if (base_dir / name).is_file() and not (out / name).exists():
-            shutil.copy2(base_dir / name, out / name)
-    (out / "MERGED_FROM.json").write_text(json.dumps({"base": str(base_dir), "adapter": str(adapter_dir),
-                                                      "dtype": str(dtype).replace("torch.", "")}))
-    return out
+    return merge_into_copy(base_dir, read_adapter(adapter_dir), out_dir)
 
 
 def adapter_rank(adapter_dir: str | Path) -> int:
     cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     return max([int(cfg.get("r", 0)), *[int(v) for v in (cfg.get("rank_pattern") or {}).values()]])
-
-
-def find_latest_adapter(runs_root: str | Path) -> Path | None:
-    """The newest adapter (a folder with adapter_config.json) under a HARI training run in runs_root."""
-    found = [c.parent for run in Path(runs_root).glob("*20_hari_training*") for c in run.rglob("adapter_config.json")]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def resolve_adapter(value: str, run_dir: str | Path) -> Path | None:
@@ -169,7 +143,9 @@ def resolve_adapter(value: str, run_dir: str | Path) -> Path | None:
     if not value:
         return None
     if value == "latest":
-        return find_latest_adapter(Path(run_dir).parent)
+        from ..inspect.adapter import latest_adapter
+
+        return latest_adapter(Path(run_dir).parent)
     path = resolve(value)
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"lora_adapter '{value}' has no adapter_config.json; point it at the folder "

@@ -101,6 +101,13 @@ def read_adapter(path: str | Path) -> Adapter:
     return Adapter(path, config, lora_a, lora_b)
 
 
+def latest_adapter(runs_root: str | Path) -> Path | None:
+    """The newest adapter written by a HARI run (``<run>/adapter`` beside its run_info.json)."""
+    found = [c.parent for c in Path(runs_root).glob("*/adapter/adapter_config.json")
+             if (c.parent.parent / "run_info.json").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 def base_weight(model, module: str) -> torch.Tensor:
     """The base weight [out, in] of ``module`` in fp32, dequantized when it is NF4."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -11,7 +11,8 @@ import torch
 from .. import params as P
 from ..data.plan import load_rows
 from ..paths import PROJECT_ROOT, resolve
-from .adapter import Adapter, AdapterError, ModuleStats, inspect_adapter, read_adapter, stats_frame  # noqa: F401
+from .adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter, latest_adapter,  # noqa: F401
+                      read_adapter, stats_frame)
 from .compare import ProbeResult, compare_on, encode_probe, generations, training_slices
 from .merge import merge_into_copy, verify_merge
 
@@ -21,10 +22,10 @@ def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
     if value:
         return resolve(value)
     root = Path(runs_root or PROJECT_ROOT / "runs")
-    found = sorted(root.glob("*20_hari_training*/adapter/adapter_config.json"), key=lambda f: f.stat().st_mtime)
-    if not found:
+    found = latest_adapter(root)
+    if found is None:
         raise AdapterError(f"no HARI adapter under {root}: run notebook 20 first or set adapter_dir")
-    return found[-1].parent
+    return found
 
 
 def load_adapted(p, adapter: Adapter):
