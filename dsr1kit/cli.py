@@ -68,6 +68,68 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lab(args: argparse.Namespace) -> int:
+    """JupyterLab on the project, the dsr1kit kernel, the notebooks folder open; runs until stopped."""
+    import os
+    import secrets
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from .report import ensure_kernelspec
+
+    kernel = ensure_kernelspec()  # the kernel runs this venv's Python, whatever Jupyter finds first
+    token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
+    port = args.port
+    if not port:
+        with socket.socket() as s:
+            s.bind((args.ip, 0))
+            port = s.getsockname()[1]
+    extra = args.jupyter_args[1:] if args.jupyter_args[:1] == ["--"] else args.jupyter_args
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.no_browser_open_file=True",
+           f"--ServerApp.root_dir={PROJECT_ROOT}", f"--ServerApp.ip={args.ip}", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", "--ServerApp.default_url=/lab/tree/notebooks",
+           f"--MappingKernelManager.default_kernel_name={kernel}", *extra]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    # The token travels in the environment (Jupyter reads JUPYTER_TOKEN): not in argv, not in a file.
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env={**os.environ, "JUPYTER_TOKEN": token})
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    host = f"[{args.ip}]" if ":" in args.ip else args.ip
+    base = f"http://{host}:{port}"
+    deadline = time.monotonic() + args.timeout
+    try:
+        while proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"{base}/api/status", headers={"Authorization": f"token {token}"})
+                urllib.request.urlopen(req, timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    print(f"error: JupyterLab did not answer on {base} within {args.timeout:.0f} s", file=sys.stderr)
+                    proc.terminate()
+                    break
+                time.sleep(0.3)
+        if proc.poll() is None:
+            print(f"\nJupyterLab on {PROJECT_ROOT}, kernel '{kernel}' (this environment). Open:\n\n"
+                  f"    {base}/lab/tree/notebooks?token={token}\n\n"
+                  f"Stop with Ctrl-C twice.", flush=True)
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # Jupyter got it too: it asks to confirm, a second Ctrl-C stops it
+                continue
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsr1kit", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -96,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--pretrain-steps", type=int, default=None, help="default: the embedded model's")
     tiny.set_defaults(func=_cmd_tiny)
+
+    lab = sub.add_parser("lab", help="JupyterLab on the project with the dsr1kit kernel; prints the URL with its token",
+                         description="Start JupyterLab on the project root with the notebooks folder open and "
+                                     "the 'dsr1kit' kernel (this environment). The token is $JUPYTER_TOKEN, "
+                                     "else a random one; it is printed, not written into any project or config file. "
+                                     "Arguments after -- go to `jupyter lab` verbatim.")
+    lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (a cluster node: tunnel, or 0.0.0.0)")
+    lab.add_argument("--port", type=int, default=0, help="port; 0 = a free one")
+    lab.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the server to answer")
+    lab.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="-- then extra `jupyter lab` arguments")
+    lab.set_defaults(func=_cmd_lab)
     return parser
 
 

@@ -74,9 +74,6 @@ def data_table(sources: list[dict[str, Any]], per_source: dict[str, dict[str, in
 
 def bandwidth_figure(result: dict, expected_gbps: float = 0.0):
     """All-reduce bus bandwidth per message size, with the expected figure as a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     rows = result.get("results") or []

@@ -62,9 +62,6 @@ def comparison_frame(tables, examples):
 
 
 def latency_figure(stats):
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
