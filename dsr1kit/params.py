@@ -240,7 +240,12 @@ def model_for(notebook: str | Path) -> type[NotebookParams]:
 
 
 def parse_override(raw: str) -> Any:
-    """Parse a `-p KEY VALUE` value as YAML, like papermill does (so 3 is int, [a,b] a list)."""
+    """Parse a `-p KEY VALUE` value as YAML, like papermill does (so 3 is int, [a,b] a list).
+
+    An empty VALUE is the empty string (YAML would make it null, which no parameter accepts).
+    """
+    if raw == "":
+        return ""
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:

@@ -38,3 +38,18 @@ def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_pa
     assert (run_dir / "figures" / "latency.png").is_file() and (run_dir / "report.html").is_file()
     assert (run_dir / "logs" / "server-base.log").is_file() and (run_dir / "logs" / "server-merged.log").is_file()
     assert_no_server_left()
+
+
+def test_a_failing_cell_after_the_server_is_up_leaves_no_server(cli, tmp_path):
+    """Every request times out (1 ms): the evaluation cell fails, the run is failed, the server is gone."""
+    runs = tmp_path / "runs"
+    res = cli("run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
+              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", "", "-p", "eval_limit", "4",
+              "-p", "request_timeout_s", "0.001", "-p", "retries", "0")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["failed_cell"]["ename"] == "ClientError"
+    assert "run_eval" in status["failed_cell"]["source"]
+    assert (run_dir / "logs" / "server-base.log").is_file()   # the server did come up first
+    assert_no_server_left()

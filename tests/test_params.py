@@ -78,7 +78,8 @@ def test_token_count_knobs_are_not_mistaken_for_secrets():
     assert p.max_new_tokens == 8
 
 
-@pytest.mark.parametrize("raw,parsed", [("3", 3), ("0.5", 0.5), ("[a, b]", ["a", "b"]), ("true", True), ("x", "x")])
+@pytest.mark.parametrize("raw,parsed", [("3", 3), ("0.5", 0.5), ("[a, b]", ["a", "b"]), ("true", True), ("x", "x"),
+                                        ("", "")])
 def test_overrides_are_parsed_as_yaml(raw, parsed):
     assert P.parse_override(raw) == parsed
 
