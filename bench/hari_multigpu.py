@@ -18,6 +18,7 @@ R1-width layers would be ~270 GB even in FP8, more than the machine's disk.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -108,6 +109,8 @@ def per_gpu(fn) -> list[float]:
 
 
 def run(layers: int, n_gpus: int, scheme: str, seq: int, iters: int) -> dict:
+    gc.collect()  # the previous configuration's model (accelerate hooks hold reference cycles)
+    torch.cuda.empty_cache()
     t0 = time.perf_counter()
     model, plan, dm = build(layers, n_gpus, scheme)
     torch.cuda.synchronize()
@@ -136,6 +139,7 @@ def run(layers: int, n_gpus: int, scheme: str, seq: int, iters: int) -> dict:
     row.update(step_ms=round(step * 1e3, 1), tokens_per_s=round(seq / step, 1),
                peak_memory_gib=per_gpu(torch.cuda.max_memory_allocated))
     del model, batch
+    gc.collect()
     torch.cuda.empty_cache()
     return row
 
