@@ -190,15 +190,6 @@ def rows_frame(rows: Iterable[Row]):
     return pd.DataFrame([r.to_dict() for r in rows], columns=list(Row.__dataclass_fields__))
 
 
-def writable_probe(path: Path) -> bool:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            return True
-    except OSError:
-        return False
-
-
 class ChecksFailed(RuntimeError):
     """Raised at the end of the cluster check so the run's status is failed."""
 

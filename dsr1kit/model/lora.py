@@ -127,9 +127,5 @@ def lora_summary(peft_model: nn.Module, plan: LoraPlan) -> dict[str, Any]:
             "trainable_share": trainable / total if total else 0.0}
 
 
-def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
 def first_adapted_layer(plan: LoraPlan) -> int:
     return min(plan.layers)
