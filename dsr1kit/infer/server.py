@@ -198,8 +198,12 @@ class VLLMServer:
         self._log.flush()
         env = {**os.environ, **self.spec.env}
         self._t0 = time.monotonic()
+        # Its own process group (stop() signals the group) but the caller's session: a new session
+        # is a new scheduler autogroup on most Linux kernels, and then the server's busy-polling
+        # engine, its worker and the API process share one CPU share against the client's. On a
+        # 2-core machine that cut served throughput 7x (docs/benchmarks.md, evaluation throughput).
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
+                                     env=env, process_group=0, preexec_fn=_set_parent_death_signal)
         self.phases = {"spawn_s": round(time.monotonic() - self._t0, 3)}
         self.pid_path.write_text(str(self.proc.pid))  # for `stop-run` when this process dies uncleanly
         atexit.register(self.stop)
