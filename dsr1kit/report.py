@@ -52,12 +52,9 @@ class RunResult:
 
 def process_rank(env: dict[str, str] | None = None) -> int:
     """This process's rank when several run the same notebook (srun one task per node, torchrun)."""
-    env = os.environ if env is None else env
-    if "RANK" in env:
-        return int(env["RANK"])
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
+    from .cluster.slurm import process_ranks
+
+    return process_ranks(env)[0]
 
 
 def new_run_id(notebook: str) -> str:

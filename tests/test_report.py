@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import shutil
 from pathlib import Path
 
 import nbformat
@@ -130,16 +129,6 @@ def test_interactive_session_gets_its_own_run_dir(tmp_path):
     run_dir = report.ensure_run_dir(p, runs_root=tmp_path)
     assert run_dir.parent == tmp_path and "00_cluster_check" in run_dir.name
     assert p.run_dir == str(run_dir.resolve())
-
-
-@pytest.mark.parametrize("env,rank", [
-    ({}, 0), ({"RANK": "3", "WORLD_SIZE": "4"}, 3), ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, 1),
-    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, 0),
-])
-def test_process_rank_from_torchrun_or_slurm(env, rank):
-    from dsr1kit.report import process_rank
-
-    assert process_rank(env) == rank
 
 
 def test_other_ranks_report_under_ranks_folder(tmp_path, cli):

@@ -187,6 +187,21 @@ def _expand_ranges(spec: str) -> list[str]:
     return out
 
 
+# -- this process's place among several -----------------------------------------------------
+def process_ranks(env: Mapping[str, str] | None = None) -> tuple[int, int, int, str]:
+    """(rank, world size, local rank, launcher) from torchrun's or srun's variables.
+
+    torchrun wins when both are set (torchrun inside an sbatch job); a job step of one task is a
+    single process whatever SLURM_PROCID says.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun"
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm"
+    return 0, 1, 0, "single"
+
+
 # -- rendezvous -----------------------------------------------------------------------------
 def rendezvous_port(job_id: int) -> int:
     """The recipe's MASTER_PORT: 15000 + JOBID % 10000 (distinct for concurrent jobs)."""

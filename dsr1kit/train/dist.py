@@ -11,11 +11,12 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+
+from ..cluster import slurm
 
 
 @dataclass
@@ -32,27 +33,20 @@ class DistInfo:
         return self.rank == 0
 
 
-def slurm_master_addr(nodelist: str) -> str:
-    """First host of the job's nodelist, resolved to IPv4 (the recipe's rendezvous)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                         check=True, timeout=30).stdout.split()
-    return socket.gethostbyname(out[0])
-
-
-def slurm_master_port(job_id: str) -> int:
-    return 15000 + int(job_id) % 10000
-
-
 def from_env(env: dict[str, str] | None = None) -> DistInfo:
+    """Ranks from torchrun or srun; the rendezvous from MASTER_ADDR/PORT, else the job's first host and id."""
     env = dict(os.environ if env is None else env)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        addr = env.get("MASTER_ADDR") or slurm_master_addr(env["SLURM_JOB_NODELIST"])
-        port = int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"]))
-        return DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                        addr, port, "slurm")
+    rank, world, local, source = slurm.process_ranks(env)
+    if source == "torchrun":
+        return DistInfo(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                        source)
+    if source == "slurm":
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        if not (addr and port):
+            job = slurm.SlurmJob.from_env(env)
+            default_addr, default_port = slurm.rendezvous(job, env)
+            addr, port = addr or default_addr, port or default_port
+        return DistInfo(rank, world, local, addr, int(port), source)
     return DistInfo()
 
 
