@@ -50,6 +50,6 @@ def test_a_failing_cell_after_the_server_is_up_leaves_no_server(cli, tmp_path):
     (run_dir,) = runs.iterdir()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["failed_cell"]["ename"] == "ClientError"
-    assert "run_eval" in status["failed_cell"]["source"]
+    assert "session.evaluate" in status["failed_cell"]["source"]
     assert (run_dir / "logs" / "server-base.log").is_file()   # the server did come up first
     assert_no_server_left()

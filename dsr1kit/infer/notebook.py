@@ -1,4 +1,4 @@
-"""Small pieces notebook 10 calls: model/tokenizer lookup, server guard, tables and the latency figure."""
+"""What notebook 10 calls: model/tokenizer lookup, the server choreography, tables and the latency figure."""
 
 from __future__ import annotations
 
@@ -27,6 +27,92 @@ def stop_on_error(server):
     except BaseException:
         server.stop()
         raise
+
+
+class ServedEval:
+    """Notebook 10's servers, one alive at a time, each stopped when a step fails.
+
+    The base is served first (with ``--enable-lora`` when ``adapter_mode`` is ``lora``). A served
+    adapter is trusted only after the parity check; otherwise (or with ``adapter_mode: merge``) the
+    adapter is merged into a copy of the base and that copy is served and evaluated instead.
+    """
+
+    def __init__(self, p, run_dir: str | Path, model_path: str, adapter: Path | None):
+        self.p, self.run_dir, self.model_path, self.adapter = p, Path(run_dir), model_path, adapter
+        self.serve_lora = bool(adapter) and p.adapter_mode == "lora"
+        self.server = None
+        self.phases: dict[str, dict[str, float]] = {}
+        self.parity = None
+        self.stats: dict = {}
+
+    def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
+        from . import adapters
+        from .server import VLLMServer
+
+        if self.server is not None:
+            self.server.stop()
+        modules = {self.p.lora_name: str(self.adapter)} if lora else None
+        rank = max(self.p.max_lora_rank, adapters.adapter_rank(self.adapter)) if lora else self.p.max_lora_rank
+        self.server = VLLMServer.from_params(self.p, self.run_dir, model_path, modules, name=name, max_lora_rank=rank)
+        with stop_on_error(self.server):
+            self.server.start()
+            self.phases[phase] = self.server.wait_ready()
+        return self.server
+
+    def start(self):
+        """The base server (plus the adapter as a LoRA in lora mode); returns it once it answers."""
+        return self._launch("server-base", self.model_path, "base", lora=self.serve_lora)
+
+    def check_parity(self, prompts):
+        """PEFT vs vLLM logprobs for a served LoRA; not 'applied' + merge_if_ignored → base restarted without LoRA."""
+        from . import adapters
+
+        if not self.serve_lora:
+            return None
+        with stop_on_error(self.server):
+            self.parity = adapters.parity_check(self.server.base_url, self.p.served_model_name, self.p.lora_name,
+                                                self.model_path, str(self.adapter),
+                                                [pr.token_ids for pr in prompts[:self.p.parity_prompts]],
+                                                tol=self.p.parity_tol)
+        if self.parity.verdict != "applied" and self.p.merge_if_ignored:
+            print("parity not applied: restarting the base without LoRA; the adapter will be merged")
+            self.serve_lora = False
+            self._launch("server-base-nolora", self.model_path, "base")
+        return self.parity
+
+    def evaluate(self, prompts) -> dict:
+        """label -> client Stats for the base and (served or merged) adapter; answers resume per label."""
+        from . import adapters
+
+        p, run_dir = self.p, self.run_dir
+        with stop_on_error(self.server):
+            self.stats["base"] = evaluate.run_eval(self.server.base_url, p.served_model_name, prompts,
+                                                   evaluate.results_path(run_dir, "base"), p)
+            if self.adapter and self.serve_lora:
+                self.stats["adapter"] = evaluate.run_eval(self.server.base_url, p.lora_name, prompts,
+                                                          evaluate.results_path(run_dir, "adapter"), p)
+        if self.adapter and not self.serve_lora:  # merge, then serve the merged copy
+            self.server.stop()
+            merged = adapters.merge_adapter(self.model_path, self.adapter, run_dir / "merged")
+            self._launch("server-merged", str(merged), "adapter (merged)")
+            with stop_on_error(self.server):
+                self.stats["adapter"] = evaluate.run_eval(self.server.base_url, p.served_model_name, prompts,
+                                                          evaluate.results_path(run_dir, "adapter"), p)
+        return self.stats
+
+    @property
+    def adapter_how(self) -> str:
+        return "served as LoRA (parity: applied)" if self.serve_lora else "merged into a copy of the base"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def headline(tables) -> str:
+    """One line per run: each model's overall accuracy with the n of N it was scored on."""
+    overall = {label: t.iloc[0] for label, t in tables.items()}
+    return "; ".join(f"{k} {r['accuracy']:.1%} (scored on {r['scored_on']})" for k, r in overall.items())
 
 
 def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
