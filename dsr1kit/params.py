@@ -167,9 +167,16 @@ class InferenceParams(NotebookParams):
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_new_tokens: int = Field(256, ge=1, description="Generated tokens per answer")
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
-    concurrency: int = Field(16, ge=1, description="Requests in flight")
+    concurrency: int = Field(0, ge=0, description="Requests in flight; 0: 2 x max_num_seqs x data_parallel_size, "
+                                                  "so the engine's batch stays full")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout")
     retries: int = Field(3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)")
+
+    @property
+    def client_concurrency(self) -> int:
+        """Fewer requests in flight than the engine batches leaves its batch part-empty; a queue of as
+        many again refills a finished sequence's slot in the next step instead of after an HTTP round trip."""
+        return self.concurrency or 2 * self.max_num_seqs * self.data_parallel_size
 
 
 class HariParams(NotebookParams):

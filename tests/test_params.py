@@ -110,3 +110,11 @@ def test_committed_notebooks_carry_no_outputs(notebook):
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             assert not cell.get("outputs") and cell.get("execution_count") is None
+
+
+def test_client_keeps_the_engine_batch_full_unless_told_otherwise():
+    from dsr1kit.params import InferenceParams
+
+    assert InferenceParams(max_num_seqs=16).client_concurrency == 32
+    assert InferenceParams(max_num_seqs=16, data_parallel_size=2).client_concurrency == 64
+    assert InferenceParams(max_num_seqs=16, concurrency=5).client_concurrency == 5

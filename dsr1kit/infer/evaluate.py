@@ -187,7 +187,7 @@ def run_eval(base_url: str, model_name: str, prompts: list[Prompt], out_path: st
 
     ids = {pr.id for pr in prompts}
     already = len(ids & set(read_answers(out_path)))
-    client = CompletionClient(base_url, model_name, concurrency=p.concurrency, timeout_s=p.request_timeout_s,
+    client = CompletionClient(base_url, model_name, concurrency=p.client_concurrency, timeout_s=p.request_timeout_s,
                               retries=p.retries)
     with tqdm(total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress) as bar:
         return client.complete([pr.request() for pr in prompts], out_path, max_tokens=p.max_new_tokens,
