@@ -82,11 +82,11 @@ def build(layers: int, n_gpus: int, scheme: str):
     config = r1_config(layers)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
+    model.to(torch.bfloat16)  # still on meta: each unit then materializes in bf16, never in fp32 (2x transient)
     dm = placement.device_map(config, n_gpus, scheme)
     for unit, device in dm.items():
         module = model.get_submodule(unit)
         module.to_empty(device=f"cuda:{device}")
-        module.to(torch.bfloat16)
         _init_(module)
         if unit.startswith("model.layers."):
             quantize_experts_(module)

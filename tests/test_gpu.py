@@ -1,0 +1,97 @@
+"""The CUDA paths R1 takes, on the tiny DeepSeek-V3: NF4 + bf16 + device_map, fast == naive, a real training run.
+
+Skipped without CUDA (tests/conftest.py), so CI on CPU stays green; run on a GPU node with
+``pytest -m gpu`` (docs/benchmarks.md records the last run on an H200).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsr1kit import params
+from dsr1kit.data.labels import collate, encode_rows
+from dsr1kit.data.plan import load_rows
+from dsr1kit.model.load import load_model
+from dsr1kit.model.lora import apply_lora
+from dsr1kit.train.hari import fast_loss, naive_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.gpu
+
+
+def _qlora_on_cuda():
+    p = params.HariParams(quantization="nf4", dtype="bfloat16", device_map="contiguous", lora_last_k_layers=1)
+    loaded = load_model(p)
+    torch.manual_seed(0)
+    model, plan = apply_lora(loaded.model, p)
+    with torch.no_grad():  # a non-zero adapter, so student and reference differ
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(std=0.3)
+    rows = load_rows("data/sft_tiny.jsonl").rows[:4]
+    enc = encode_rows(loaded.tokenizer, rows, 128, "You are DeepSeek-R1.")
+    batch = collate(enc.examples, loaded.tokenizer.pad_token_id, model.config.vocab_size)
+    device = model.get_input_embeddings().weight.device
+    model.train()
+    return model, plan, {k: v.to(device) for k, v in batch.items()}
+
+
+def _grads(model, parts) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    parts.loss.backward()
+    grads = [q.grad for q in model.parameters() if q.requires_grad]
+    assert all(g is not None for g in grads), "a LoRA parameter got no gradient"
+    return torch.cat([g.float().reshape(-1) for g in grads])
+
+
+def test_nf4_model_is_quantized_on_cuda_with_fp32_routing():
+    model, _, batch = _qlora_on_cuda()
+    import bitsandbytes as bnb
+
+    linears4 = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears4 and all(m.weight.device.type == "cuda" for m in linears4)
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    seen: list[torch.dtype] = []
+    hooks = [g.register_forward_hook(lambda _m, _i, out: seen.append(
+        (out[0] if isinstance(out, tuple) else out).dtype)) for g in gates]
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    for h in hooks:
+        h.remove()
+    assert gates and seen and set(seen) == {torch.float32}   # routing in fp32 (DESIGN.md fact 4)
+
+
+def test_fast_equals_naive_on_cuda_nf4_bf16():
+    model, plan, batch = _qlora_on_cuda()
+    naive = naive_loss(model, batch, 0.9, 1.5, "all")
+    g_naive = _grads(model, naive)
+    fast = fast_loss(model, batch, 0.9, 1.5, min(plan.layers), "all", chunk=64)
+    g_fast = _grads(model, fast)
+    assert abs(float(fast.loss) - float(naive.loss)) <= 1e-2 * abs(float(naive.loss))
+    cosine = float(torch.nn.functional.cosine_similarity(g_fast, g_naive, dim=0))
+    assert cosine >= 0.999, f"LoRA gradient cosine fast vs naive {cosine:.6f} (bf16 weights)"
+
+
+def test_qlora_training_run_on_cuda(tmp_path):
+    """`python -m dsr1kit.train` with NF4 on the GPU: PagedAdamW8bit, per-GPU peak memory, a learned adapter."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsr1kit.train", "-f", "params/tiny/20_hari_training.yaml", "--run-dir", str(run_dir),
+         "-p", "quantization", "nf4", "-p", "dtype", "bfloat16", "-p", "device_map", "contiguous",
+         "-p", "max_steps", "6", "-p", "log_every", "2", "-p", "sample_limit", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all("cuda:0" in r["peak_memory_gib"] for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    from safetensors.torch import load_file
+
+    tensors = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    lora_b = [t for k, t in tensors.items() if "lora_B" in k]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)   # it learned (lora_B starts at zero)
