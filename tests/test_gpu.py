@@ -15,11 +15,9 @@ import pytest
 import torch
 
 from dsr1kit import params
-from dsr1kit.data.labels import collate, encode_rows
-from dsr1kit.data.plan import load_rows
-from dsr1kit.model.load import load_model
-from dsr1kit.model.lora import apply_lora
 from dsr1kit.train.hari import fast_loss, naive_loss
+
+from hari_support import adapted_model_and_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
@@ -27,19 +25,7 @@ pytestmark = pytest.mark.gpu
 
 def _qlora_on_cuda():
     p = params.HariParams(quantization="nf4", dtype="bfloat16", device_map="contiguous", lora_last_k_layers=1)
-    loaded = load_model(p)
-    torch.manual_seed(0)
-    model, plan = apply_lora(loaded.model, p)
-    with torch.no_grad():  # a non-zero adapter, so student and reference differ
-        for name, q in model.named_parameters():
-            if "lora_B" in name:
-                q.normal_(std=0.3)
-    rows = load_rows("data/sft_tiny.jsonl").rows[:4]
-    enc = encode_rows(loaded.tokenizer, rows, 128, "You are DeepSeek-R1.")
-    batch = collate(enc.examples, loaded.tokenizer.pad_token_id, model.config.vocab_size)
-    device = model.get_input_embeddings().weight.device
-    model.train()
-    return model, plan, {k: v.to(device) for k, v in batch.items()}
+    return adapted_model_and_batch(p, n_rows=4, max_len=128)
 
 
 def _grads(model, parts) -> torch.Tensor:

@@ -6,27 +6,15 @@ import pytest
 import torch
 
 from dsr1kit import params
-from dsr1kit.data.labels import collate, encode_rows
-from dsr1kit.data.plan import load_rows
-from dsr1kit.model.load import load_model
-from dsr1kit.model.lora import apply_lora
 from dsr1kit.train.hari import fast_loss, naive_loss
+
+from hari_support import adapted_model_and_batch
 
 
 def _setup(last_k: int):
     p = params.HariParams(quantization="none", dtype="float32", device_map="cpu", lora_last_k_layers=last_k)
-    loaded = load_model(p)
-    torch.manual_seed(0)
-    model, plan = apply_lora(loaded.model, p)
-    with torch.no_grad():  # a non-zero adapter, so student and reference really differ
-        for name, q in model.named_parameters():
-            if "lora_B" in name:
-                q.normal_(std=0.3)
-    rows = load_rows("data/sft_tiny.jsonl").rows[:5]
-    enc = encode_rows(loaded.tokenizer, rows, 96, "You are DeepSeek-R1.")
-    batch = collate(enc.examples, loaded.tokenizer.pad_token_id, model.config.vocab_size)
+    model, plan, batch = adapted_model_and_batch(p, n_rows=5, max_len=96)
     assert (batch["attention_mask"] == 0).any(), "the batch must contain padding"
-    model.train()
     return model, plan, batch
 
 
