@@ -18,8 +18,11 @@ at toy widths chosen to satisfy every backend we test:
   transformers). ``yarn`` selects ``DeepseekScalingRotaryEmbedding``, which runs
   its PyTorch-native path on CPU (|Δ logprob| 0.0000 in fp32, ~0.003 in bf16).
 
-The tokenizer is a byte-level BPE trained on the shipped datasets, with a chat
-template whose ``{% generation %}`` markers give the assistant-token mask.
+The tokenizer is a byte-level BPE trained on the shipped datasets. It comes
+in two flavours: ``tiny`` with a chat template of its own, and ``tiny-r1``
+with DeepSeek-R1's tokenizer setup (BOS/EOS/pad spellings, ``<｜User｜>`` /
+``<｜Assistant｜>``, ``<think>``/``</think>`` as plain added tokens, R1's chat
+template verbatim), so R1's rendering, served prompt and answers run here.
 The weights are briefly pre-trained here (seconds) on the chat format and on
 the free-form task kinds only, so the base model speaks the format, answers
 some questions, and leaves the multiple-choice kinds for HARI to learn: loss
@@ -36,11 +39,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dataclasses import dataclass
+
+from .data import templates
 from .data.chat import to_messages
 
 VERSION = 5
 PRETRAIN_STEPS = 200
 TINY_NAME = "tiny"
+TINY_R1_NAME = "tiny-r1"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl")
 
@@ -91,6 +98,26 @@ MODEL_CONFIG = dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512,
                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
 )
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Token spellings and chat template of a tiny tokenizer."""
+
+    name: str
+    bos: str
+    eos: str
+    pad: str
+    roles: tuple[str, ...]
+    template: str
+
+
+FLAVOURS = {
+    TINY_NAME: Flavour(TINY_NAME, BOS, EOS, PAD, tuple(ROLE_TOKENS), CHAT_TEMPLATE),
+    TINY_R1_NAME: Flavour(TINY_R1_NAME, templates.R1_BOS, templates.R1_EOS, templates.R1_PAD,
+                          tuple(templates.R1_ROLE_TOKENS), templates.R1_CHAT_TEMPLATE),
+}
+
 # Not read by transformers, required by vLLM's DeepSeek-V3 loader.
 VLLM_CONFIG_EXTRAS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
@@ -99,8 +126,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("DSR1KIT_CACHE", Path.home() / ".cache" / "dsr1kit"))
 
 
-def _fingerprint() -> str:
-    h = hashlib.sha256(f"v{VERSION}-{PRETRAIN_STEPS}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}".encode())
+def _fingerprint(flavour: Flavour = FLAVOURS[TINY_NAME]) -> str:
+    extra = "" if flavour.name == TINY_NAME else json.dumps(flavour.__dict__, sort_keys=True)  # tiny's cache key as before
+    h = hashlib.sha256(f"v{VERSION}-{PRETRAIN_STEPS}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}{extra}".encode())
     for name in CORPUS_FILES:
         h.update((DATA_DIR / name).read_bytes())
     return h.hexdigest()[:12]
@@ -120,15 +148,15 @@ def corpus_lines() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: str | Path):
-    """Train the byte-level BPE locally and save a transformers tokenizer in out_dir."""
+def build_tokenizer(out_dir: str | Path, flavour: Flavour = FLAVOURS[TINY_NAME]):
+    """Train the byte-level BPE locally and save a transformers tokenizer (of `flavour`) in out_dir."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [BOS, EOS, PAD, *ROLE_TOKENS]
+    specials = [flavour.bos, flavour.eos, flavour.pad, *flavour.roles]
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(REASONING_TOKENS),
         special_tokens=specials,
@@ -139,13 +167,13 @@ def build_tokenizer(out_dir: str | Path):
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=ROLE_TOKENS,
+        bos_token=flavour.bos, eos_token=flavour.eos, pad_token=flavour.pad,
+        additional_special_tokens=list(flavour.roles),
         model_max_length=MODEL_CONFIG["max_position_embeddings"],
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = flavour.template
     fast.save_pretrained(out_dir)
     return fast
 
@@ -164,8 +192,10 @@ def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, seed: int = 0, batch
     """Full-parameter LM training on pretrain_texts(); deterministic for a given seed."""
     import torch
 
+    from .data.render import render_chat
+
     chats, texts = pretrain_texts()
-    seqs = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in chats]
+    seqs = [render_chat(tokenizer, c).ids for c in chats]  # the served prompt + the turn, as training renders it
     seqs += [[tokenizer.bos_token_id] + tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
              for t in texts]
     gen = torch.Generator().manual_seed(seed)
@@ -187,7 +217,7 @@ def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, seed: int = 0, batch
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
@@ -220,18 +250,19 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0, pretrain_steps: i
     return model, losses
 
 
-def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS) -> Path:
+def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS,
+          flavour: Flavour = FLAVOURS[TINY_NAME]) -> Path:
     """Build model + tokenizer into out_dir (atomically: temp dir, then rename)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        tokenizer = build_tokenizer(tmp)
+        tokenizer = build_tokenizer(tmp, flavour)
         if len(tokenizer) > VOCAB_SIZE:
             raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > vocab {VOCAB_SIZE}")
         _, losses = build_model(tmp, tokenizer, seed=seed, pretrain_steps=pretrain_steps)
         (tmp / "TINY_MODEL.json").write_text(json.dumps({
-            "version": VERSION, "seed": seed, "pretrain_steps": len(losses),
+            "version": VERSION, "flavour": flavour.name, "seed": seed, "pretrain_steps": len(losses),
             "pretrain_loss_first": round(losses[0], 4), "pretrain_loss_last": round(losses[-1], 4)}))
         if out.exists():
             shutil.rmtree(out)
@@ -242,10 +273,12 @@ def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STE
 
 
 def resolve_model(name: str) -> str:
-    """'tiny' → the cached embedded model dir (built on first use); anything else unchanged."""
-    if name != TINY_NAME:
+    """'tiny' / 'tiny-r1' → the cached embedded model dir (built on first use); anything else unchanged."""
+    flavour = FLAVOURS.get(name)
+    if flavour is None:
         return name
-    target = cache_root() / f"tiny-dsv3-{_fingerprint()}"
+    prefix = "tiny-dsv3" if name == TINY_NAME else "tiny-r1-dsv3"
+    target = cache_root() / f"{prefix}-{_fingerprint(flavour)}"
     if not (target / "TINY_MODEL.json").is_file():
-        build(target)
+        build(target, flavour=flavour)
     return str(target)

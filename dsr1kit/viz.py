@@ -59,7 +59,7 @@ def training_curves(history: list[dict[str, Any]]):
 
 
 def data_table(sources: list[dict[str, Any]], per_source: dict[str, dict[str, int]]):
-    """Per source and split: read status, rows, kept, skipped, truncated."""
+    """Per source and split: read status, rows, kept, skipped, truncated, and what is trained."""
     import pandas as pd
 
     rows = []
@@ -68,8 +68,25 @@ def data_table(sources: list[dict[str, Any]], per_source: dict[str, dict[str, in
         c = per_source.get(key, {})
         rows.append({"source": s["source"], "split": s["split"], "status": "pass" if s["status"] == "ok" else "warn",
                      "rows read": s["rows"], "kept": c.get("kept", 0), "skipped": c.get("skipped", 0),
-                     "truncated": c.get("truncated", 0), "reason": s["reason"]})
+                     "truncated": c.get("truncated", 0), "rows without reasoning": c.get("no_reasoning", 0),
+                     "trained tokens: reasoning": c.get("reasoning_tokens", 0),
+                     "trained tokens: answer": c.get("answer_tokens", 0), "reason": s["reason"]})
     return colour_status(pd.DataFrame(rows))
+
+
+def labelled_example_html(example: dict[str, Any]) -> str:
+    """One rendered training example: the served prompt plain, trained reasoning blue, trained answer green."""
+    from html import escape
+
+    if not example:
+        return "<p>(no example)</p>"
+    span = "<span style='background:{};'>{}</span>"
+    body = (escape(example["prompt"]) + span.format("#d6e9ff", escape(example["before_reasoning"] + example["reasoning"]))
+            + span.format("#d4edda", escape(example["answer"])))
+    return (f"<p><b>{escape(example['source'])}</b>, row {escape(example['id'])}, rendered as "
+            f"<i>{escape(example['how'])}</i>: <span style='background:#d6e9ff'>trained reasoning</span>, "
+            f"<span style='background:#d4edda'>trained answer</span>, the rest is the served prompt (not trained)."
+            f"</p><pre style='white-space:pre-wrap'>{body}</pre>")
 
 
 def bandwidth_figure(result: dict, expected_gbps: float = 0.0):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer.answers import parse_answer
 from dsr1kit.infer.client import read_answers
 
 
@@ -60,14 +61,14 @@ def test_scores_report_n_of_big_n_after_filtering(prompts):
     ("<answer>\nParis", "Paris"),                     # cut by max_new_tokens: unclosed block counts
     ("no tags at all", "no tags at all"),
 ])
-def test_extract_answer(text, expected):
-    assert ev.extract_answer(text) == expected
+def test_free_form_answer(text, expected):
+    assert parse_answer(text).value == expected
 
 
 @pytest.mark.parametrize("answer,letter", [("B", "B"), ("(C)", "C"), ("D. Paris", "D"), ("paris", "D"),
                                            ("The answer is A", "A"), ("E", None)])
 def test_multiple_choice_letters(answer, letter):
-    assert ev.extract_letter(answer, 4, ["Rome", "Oslo", "Lima", "Paris"]) == letter
+    assert parse_answer(f"<answer>{answer}</answer>", 4, ["Rome", "Oslo", "Lima", "Paris"]).value == letter
 
 
 def test_exact_match_ignores_case_space_and_trailing_punctuation():

@@ -44,12 +44,18 @@ def user_text(row: dict[str, Any]) -> str | None:
     return text
 
 
+def rationale_of(row: dict[str, Any]) -> str | None:
+    """The row's reasoning text (``cot``, ``rationale`` or ``explanation``), None when it has none."""
+    rationale = _first(row, RATIONALE_KEYS)
+    return None if rationale is None else str(rationale)
+
+
 def assistant_text(row: dict[str, Any]) -> str | None:
     answer = _first(row, ANSWER_KEYS)
     if answer is None:
         return None
     block = f"<answer>\n{str(answer).strip()}\n</answer>"
-    rationale = _first(row, RATIONALE_KEYS)
+    rationale = rationale_of(row)
     if rationale is None:
         return block
     return f"<think>\n{str(rationale).strip()}\n</think>\n{block}"

@@ -1,9 +1,12 @@
-"""Tokenize chats and build labels that train only on the assistant's tokens.
+"""Tokenize chats and build labels that train only on the final assistant turn.
 
-The assistant mask comes from the chat template's ``{% generation %}`` markers
-when it has them; otherwise everything before the first ``<think>`` (or
-``<answer>``) of the rendered text is masked using the tokenizer's offsets,
-as the recipe did. Samples longer than ``max_len`` are truncated and counted.
+The chat is rendered by `render.render_chat`: the tokens before the first
+label are exactly the prompt evaluation serves, and the labelled tokens are
+the assistant content as the data wrote it (reasoning included, even under
+templates such as DeepSeek-R1's that drop it), then the end of the turn.
+Samples longer than ``max_len`` are truncated and counted. Per source, the
+trained tokens are split into reasoning and answer, so a report shows what
+is actually trained.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from typing import Any
 
 import torch
 
-from .chat import to_messages
+from .chat import rationale_of, to_messages
+from .render import Rendered, reasoning_mask, render_chat
 
 IGNORE = -100
-ASSISTANT_START_MARKERS = ("<think>", "<answer>")
+COUNTS = ("rows", "kept", "skipped", "truncated", "no_reasoning", "reasoning_tokens", "answer_tokens")
 
 
 @dataclass
@@ -34,59 +38,59 @@ class EncodedSet:
     truncated: int = 0
     no_target: int = 0  # truncation removed every assistant token
     per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    rendering: dict[str, int] = field(default_factory=dict)  # how the chats were rendered → count
+    example: dict[str, Any] = field(default_factory=dict)  # one rendered example, labelled span split out
 
 
-def _has_generation_markers(tokenizer) -> bool:
-    template = tokenizer.chat_template or ""
-    return "{% generation %}" in template or "{%- generation %}" in template
-
-
-def _offset_labels(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [text.find(m) for m in ASSISTANT_START_MARKERS if text.find(m) >= 0]
-    if not starts:
-        raise ValueError("cannot find where the assistant turn starts: the chat template has no "
-                         "{% generation %} markers and the text has no <think>/<answer>")
-    first = min(starts)
-    ids = enc["input_ids"]
-    labels = [tid if s >= first else IGNORE for tid, (s, _) in zip(ids, enc["offset_mapping"])]
-    return ids, labels
+def encode_rendered(rendered: Rendered, max_len: int) -> tuple[list[int], list[int], bool]:
+    ids = rendered.ids
+    labels = [IGNORE] * len(rendered.prompt_ids) + list(rendered.target_ids)
+    return ids[:max_len], labels[:max_len], len(ids) > max_len
 
 
 def encode_messages(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[int], bool]:
-    """input_ids and labels (IGNORE outside the assistant turn), truncated to max_len."""
-    if _has_generation_markers(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        ids = list(out["input_ids"])
-        labels = [t if m else IGNORE for t, m in zip(ids, out["assistant_masks"])]
-    else:
-        ids, labels = _offset_labels(tokenizer, messages)
-    truncated = len(ids) > max_len
-    return ids[:max_len], labels[:max_len], truncated
+    """input_ids and labels (IGNORE on the served prompt), truncated to max_len."""
+    return encode_rendered(render_chat(tokenizer, messages), max_len)
+
+
+def labelled_example(rendered: Rendered, source: str, row_id: str) -> dict[str, Any]:
+    """The rendered text of one example split into prompt / trained reasoning / trained answer."""
+    start, end = rendered.reasoning
+    text = rendered.target_text
+    return {"source": source, "id": row_id, "how": rendered.how, "prompt": rendered.prompt_text,
+            "before_reasoning": text[:start], "reasoning": text[start:end], "answer": text[end:]}
 
 
 def encode_rows(tokenizer, rows: list[dict[str, Any]], max_len: int, system_prompt: str) -> EncodedSet:
-    """Rows → encoded examples, counting skipped, truncated and target-less rows per source."""
+    """Rows → encoded examples, counting skipped, truncated and target-less rows and trained tokens per source."""
     result = EncodedSet(examples=[])
     for row in rows:
         src = row.get("_source", "?")
-        counts = result.per_source.setdefault(src, {"rows": 0, "kept": 0, "skipped": 0, "truncated": 0})
+        counts = result.per_source.setdefault(src, dict.fromkeys(COUNTS, 0))
         counts["rows"] += 1
         messages = to_messages(row, system_prompt)
         if messages is None:
             result.skipped += 1
             counts["skipped"] += 1
             continue
-        ids, labels, truncated = encode_messages(tokenizer, messages, max_len)
-        if all(x == IGNORE for x in labels):
+        rendered = render_chat(tokenizer, messages)
+        ids, labels, truncated = encode_rendered(rendered, max_len)
+        n_prompt = len(rendered.prompt_ids)
+        trained = max(0, len(labels) - n_prompt)
+        if trained == 0:
             result.no_target += 1
             counts["skipped"] += 1
             continue
+        in_reasoning = reasoning_mask(tokenizer, rendered)[:trained]
+        counts["reasoning_tokens"] += sum(in_reasoning)
+        counts["answer_tokens"] += trained - sum(in_reasoning)
+        counts["no_reasoning"] += rationale_of(row) is None
         result.truncated += truncated
         counts["truncated"] += truncated
         counts["kept"] += 1
+        result.rendering[rendered.how] = result.rendering.get(rendered.how, 0) + 1
+        if not result.example or (not result.example["reasoning"] and rendered.reasoning[1] > 0):
+            result.example = labelled_example(rendered, src, str(row.get("id")))  # prefer one with reasoning
         result.examples.append(Encoded(str(row.get("id")), ids, labels, truncated))
     return result
 

@@ -3,21 +3,25 @@
 Every score is reported as "scored on n of N": questions whose prompt plus
 ``max_new_tokens`` do not fit the served context are excluded and listed, as
 the recipe learned with HLE (a subset score is not the benchmark's score).
-Answers are read from the last ``<answer>…</answer>`` block; multiple-choice
-rows are scored on the option letter, others by normalised exact match.
+Prompts are the served prompts training labels after (`data.render`), and
+answers are read by `answers.parse_answer`: never from the reasoning, by
+rules whose use is counted, "unparseable" (scored wrong) when none reads one.
+Multiple-choice rows are scored on the option letter, others by normalised
+exact match.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.chat import LETTERS, options_of, to_messages
+from ..data.chat import options_of, to_messages
+from ..data.render import opens_reasoning, served_prompt_ids, served_prompt_text
 from ..paths import resolve
+from .answers import UNPARSEABLE, normalize, parse_answer
 from .client import Request
 
 Z95 = 1.959964
@@ -31,6 +35,7 @@ class Prompt:
     category: str
     n_options: int = 0          # > 0: multiple choice, gold is a letter
     options: list[str] = field(default_factory=list)
+    reasoning_open: bool = False  # the served prompt opened <think>: a completion without </think> is truncated
 
     def request(self) -> Request:
         return Request(self.id, self.token_ids)
@@ -68,18 +73,16 @@ def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
 
 
 def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> list[Prompt]:
-    """Token ids of each row's chat prompt (system + user, generation prompt added) and its gold answer."""
+    """Token ids of each row's served chat prompt (system + user, generation prompt added) and its gold answer."""
     prompts = []
     for row in rows:
         messages = to_messages(row, system_prompt, with_answer=False)
         if messages is None or row.get("answer") is None:
             continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in some versions
-            ids = ids["input_ids"]
         opts = options_of(row)
-        prompts.append(Prompt(row["id"], list(ids), str(row["answer"]).strip(), str(row.get("category", "all")),
-                              len(opts), opts))
+        prompts.append(Prompt(row["id"], served_prompt_ids(tokenizer, messages), str(row["answer"]).strip(),
+                              str(row.get("category", "all")), len(opts), opts,
+                              opens_reasoning(served_prompt_text(tokenizer, messages))))
     return prompts
 
 
@@ -90,42 +93,16 @@ def filter_by_context(prompts: list[Prompt], max_model_len: int, max_new_tokens:
     return ContextFilter(kept, excluded, budget)
 
 
-# -- answer extraction and matching
+# -- answers
 
-ANSWER_BLOCK = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
-
-
-def extract_answer(text: str) -> str:
-    """Content of the last <answer> block (an unclosed one counts); the whole text when there is none."""
-    blocks = ANSWER_BLOCK.findall(text or "")
-    return (blocks[-1] if blocks else text or "").strip()
-
-
-def normalize(text: str) -> str:
-    text = re.sub(r"[\s]+", " ", str(text).strip().lower())
-    return text.strip(" .,:;!?\"'`()[]")
-
-
-def extract_letter(answer: str, n_options: int, options: list[str] = ()) -> str | None:
-    """The chosen option letter: a standalone letter (A, (B), C.), else an option's full text."""
-    valid = LETTERS[:n_options]
-    m = re.match(rf"^\(?([{valid}])\)?(?:[.):\s]|$)", answer.strip())
-    if m:
-        return m.group(1)
-    for letter, opt in zip(valid, options):
-        if normalize(answer) == normalize(opt):
-            return letter
-    m = re.search(rf"\b([{valid}])\b", answer)
-    return m.group(1) if m else None
-
-
-def is_correct(prompt: Prompt, text: str) -> tuple[bool, str]:
-    """(correct, extracted prediction) for one generation."""
-    answer = extract_answer(text)
+def is_correct(prompt: Prompt, text: str) -> tuple[bool, str, str]:
+    """(correct, extracted prediction, rule that read it) for one generation."""
+    parsed = parse_answer(text, prompt.n_options, prompt.options, prompt.reasoning_open)
+    if parsed.value is None:
+        return False, "", parsed.rule
     if prompt.n_options:
-        letter = extract_letter(answer, prompt.n_options, prompt.options)
-        return letter == prompt.gold.strip().upper()[:1], letter or ""
-    return normalize(answer) == normalize(prompt.gold), answer
+        return parsed.value == prompt.gold.strip().upper()[:1], parsed.value, parsed.rule
+    return normalize(parsed.value) == normalize(prompt.gold), parsed.value, parsed.rule
 
 
 # -- scores
@@ -151,10 +128,11 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
     rows = []
     for p in prompts:
         ans = answers.get(p.id) or {}
-        ok, pred = is_correct(p, ans.get("text", "")) if ans else (False, "")
+        ok, pred, rule = is_correct(p, ans.get("text", "")) if ans else (False, "", "no answer")
         rows.append({"id": p.id, "category": p.category, "gold": p.gold, "prediction": pred, "correct": ok,
-                     "answered": bool(ans) and not ans.get("error"), "text": ans.get("text", "")})
-    per_example = pd.DataFrame(rows, columns=["id", "category", "gold", "prediction", "correct", "answered", "text"])
+                     "rule": rule, "answered": bool(ans) and not ans.get("error"), "text": ans.get("text", "")})
+    per_example = pd.DataFrame(rows, columns=["id", "category", "gold", "prediction", "correct", "rule", "answered",
+                                              "text"])
     totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
     table = []
     groups = [("all", per_example)] + sorted(per_example.groupby("category"), key=lambda g: g[0])
@@ -165,6 +143,16 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
         table.append({"category": name, "accuracy": k / n if n else float("nan"), "ci95_low": lo, "ci95_high": hi,
                       "correct": k, "n": n, "N": big_n, "scored_on": f"{n} of {big_n}"})
     return per_example, pd.DataFrame(table)
+
+
+def rule_counts(per_example) -> dict[str, int]:
+    """How many answers each rule read (and how many were unparseable or missing)."""
+    return {str(k): int(v) for k, v in per_example["rule"].value_counts().sort_index().items()}
+
+
+def unparseable(per_example):
+    """The rows no rule could read, with their text: what a reader checks before trusting the score."""
+    return per_example[per_example["rule"].str.startswith(UNPARSEABLE)][["id", "gold", "rule", "text"]]
 
 
 def category_totals(prompts: list[Prompt]) -> dict[str, int]:

@@ -124,6 +124,23 @@ def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
     return tables, examples
 
 
+def answer_rules_frame(examples):
+    """Rule → how many answers it read, per model (unparseable and missing answers included)."""
+    import pandas as pd
+
+    counts = {label: evaluate.rule_counts(df) for label, df in examples.items()}
+    return pd.DataFrame(counts).fillna(0).astype(int).rename_axis("rule").reset_index()
+
+
+def unparseable_frame(examples, limit: int = 20):
+    """The first `limit` unparseable completions of each model, with their text."""
+    import pandas as pd
+
+    frames = [evaluate.unparseable(df).head(limit).assign(model=label) for label, df in examples.items()]
+    cols = ["model", "id", "gold", "rule", "text"]
+    return pd.concat(frames)[cols] if frames else pd.DataFrame(columns=cols)
+
+
 def accuracy_frame(tables):
     import pandas as pd
 
