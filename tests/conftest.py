@@ -12,6 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _offline_hub() -> None:
+    """Tests never download: the hub is offline and its cache is the R1 rehearsal's (set before any HF import)."""
+    from dsr1kit.r1_format import offline_env
+
+    os.environ.update(offline_env())
+
+
+_offline_hub()
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip without CUDA, so CI (no GPU) stays green and fast."""
     try:

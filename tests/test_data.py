@@ -115,7 +115,11 @@ def test_rows_without_question_or_answer_are_skipped_and_counted(tiny_dir):
             {"question": "q", "_source": "s"}, {"question": "", "answer": "a", "_source": "s"}]
     enc = labels.encode_rows(tok, rows, 64, "S")
     assert (len(enc.examples), enc.skipped) == (1, 3)
-    assert enc.per_source["s"] == {"rows": 4, "kept": 1, "skipped": 3, "truncated": 0}
+    counts = enc.per_source["s"]
+    assert {k: counts[k] for k in ("rows", "kept", "skipped", "truncated", "no_reasoning")} == {
+        "rows": 4, "kept": 1, "skipped": 3, "truncated": 0, "no_reasoning": 1}
+    assert counts["reasoning_tokens"] == 0 and counts["answer_tokens"] == len(enc.examples[0].labels) - sum(
+        t == labels.IGNORE for t in enc.examples[0].labels)
 
 
 @pytest.fixture(scope="module")

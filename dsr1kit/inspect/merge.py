@@ -1,12 +1,21 @@
 """Merge a LoRA adapter into a copy of the base checkpoint, shard by shard.
 
 Only the shards that hold an adapted weight are read and rewritten
-(W' = W + scale·B·A, computed in fp32 and stored in the weight's own dtype;
-FP8 block-quantized weights are dequantized, merged and re-quantized with
-fresh block scales); every other shard is hard-linked or copied unchanged.
-Host memory stays at about one shard, so this works for R1's 163 shards as
-well as for the tiny model, and the result is a plain checkpoint any server
-(vLLM included) loads without LoRA support.
+(W' = W + scale·B·A, computed in fp32); every other shard is hard-linked or
+copied unchanged. Host memory stays at about one shard, so this works for
+R1's 163 shards as well as for the tiny model, and the result is a plain
+checkpoint any server (vLLM included) loads without LoRA support.
+
+FP8 block-quantized weights (DeepSeek-R1's release) are the trap: a LoRA
+change of 1e-3–1e-2 of ‖W‖ is below float8 e4m3's step (2^-3 relative), so
+re-quantizing W + ΔW would round most of the adapter away and the merged
+model would serve nearly the base, silently. A merged FP8 weight is therefore
+stored in bf16 without ``weight_scale_inv``, and its module is listed as
+not-to-convert in config.json's ``quantization_config``
+(``modules_to_not_convert`` for transformers, ``ignored_layers`` for vLLM),
+so both load it unquantized. vLLM fuses ``q_a_proj`` with
+``kv_a_proj_with_mqa`` and needs both parts in one format: the partner of a
+merged one is dequantized to bf16 too.
 """
 
 from __future__ import annotations
@@ -22,15 +31,17 @@ import torch
 from .adapter import Adapter, AdapterError
 
 SCALE_SUFFIX = "_scale_inv"
+INDEX_FILE = "model.safetensors.index.json"
+FUSED_PARTNERS = {"q_a_proj": "kv_a_proj_with_mqa", "kv_a_proj_with_mqa": "q_a_proj"}
 
 
 def _weight_map(base: Path) -> dict[str, str]:
-    index = base / "model.safetensors.index.json"
+    index = base / INDEX_FILE
     if index.is_file():
         return json.loads(index.read_text())["weight_map"]
     single = base / "model.safetensors"
     if not single.is_file():
-        raise AdapterError(f"{base} has neither model.safetensors nor model.safetensors.index.json")
+        raise AdapterError(f"{base} has neither model.safetensors nor {INDEX_FILE}")
     from safetensors import safe_open
 
     with safe_open(single, "pt") as f:
@@ -44,47 +55,87 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _to_bf16(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor | None = None) -> None:
+    """Dequantize an FP8 weight (plus delta) into bf16 and drop its scale."""
+    from ..model.fp8 import dequantize_fp8_blocks
+
+    full = dequantize_fp8_blocks(tensors[key], tensors.pop(key + SCALE_SUFFIX), dtype=torch.float32, name=key)
+    tensors[key] = (full if delta is None else full + delta).to(torch.bfloat16).contiguous()
+
+
 def _merged(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor) -> None:
     weight = tensors[key]
     if tuple(weight.shape) != tuple(delta.shape):
         raise AdapterError(f"{key}: base weight is {list(weight.shape)} but the adapter's change is "
                            f"{list(delta.shape)}: the adapter was made for another base model")
-    scale_key = key + SCALE_SUFFIX
-    if scale_key in tensors:  # FP8 with block scales, as DeepSeek-R1 ships
-        from ..model.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-
-        full = dequantize_fp8_blocks(weight, tensors[scale_key], dtype=torch.float32, name=key)
-        tensors[key], tensors[scale_key] = quantize_fp8_blocks(full + delta)
-        tensors[scale_key] = tensors[scale_key].to(tensors[scale_key].dtype)
+    if key + SCALE_SUFFIX in tensors:  # FP8 with block scales, as DeepSeek-R1 ships: keep the merge in bf16
+        _to_bf16(tensors, key, delta)
     else:
         tensors[key] = (weight.float() + delta).to(weight.dtype).contiguous()
 
 
+def _partner(module: str) -> str | None:
+    prefix, _, leaf = module.rpartition(".")
+    return f"{prefix}.{FUSED_PARTNERS[leaf]}" if leaf in FUSED_PARTNERS else None
+
+
+def _not_converted_config(config: dict, modules: list[str]) -> dict:
+    """config.json with `modules` listed as unquantized for transformers and vLLM alike."""
+    quant = dict(config["quantization_config"])
+    listed = sorted(set(quant.get("modules_to_not_convert") or []) | set(quant.get("ignored_layers") or [])
+                    | set(modules))
+    quant["modules_to_not_convert"] = quant["ignored_layers"] = listed
+    return dict(config, quantization_config=quant)
+
+
 def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path) -> Path:
-    """Write base + adapter as a new checkpoint folder; return it."""
+    """Write base + adapter as a new checkpoint folder; return it. ``base_dir`` may be a hub repo id."""
     from safetensors.torch import load_file, save_file
 
-    base, out = Path(base_dir), Path(out_dir)
+    from ..model.load import local_checkpoint
+
+    base, out = Path(local_checkpoint(str(base_dir))), Path(out_dir)
     weight_map = _weight_map(base)
+    fp8 = any(k.endswith(SCALE_SUFFIX) for k in weight_map)
     by_shard: dict[str, list[str]] = defaultdict(list)
     for module in adapter.modules:
         key = f"{module}.weight"
         if key not in weight_map:
             raise AdapterError(f"the base checkpoint has no {key}: the adapter was made for another base model")
         by_shard[weight_map[key]].append(module)
+    partners = {m for m in map(_partner, adapter.modules) if m and m not in adapter.modules
+                and f"{m}.weight{SCALE_SUFFIX}" in weight_map}
+    for module in partners:
+        by_shard[weight_map[f"{module}.weight"]].append(module)
+    rewritten = {INDEX_FILE, "config.json"} if fp8 else set()
     out.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
-        if item.is_file() and item.name not in by_shard and not (out / item.name).exists():
+        if item.is_file() and item.name not in by_shard and item.name not in rewritten and not (out / item.name).exists():
             _link_or_copy(item, out / item.name)
+    to_bf16: list[str] = []
     for shard, modules in by_shard.items():
         tensors = load_file(base / shard)
         for module in modules:
-            _merged(tensors, f"{module}.weight", adapter.delta(module))
+            key = f"{module}.weight"
+            if key + SCALE_SUFFIX in tensors:
+                to_bf16.append(module)
+            if module in partners:
+                _to_bf16(tensors, key)
+            else:
+                _merged(tensors, key, adapter.delta(module))
         tmp = out / f".{shard}.tmp"
         save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, out / shard)
+    if fp8:
+        kept = {f"{m}.weight{SCALE_SUFFIX}" for m in to_bf16}
+        index = json.loads((base / INDEX_FILE).read_text())
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in kept}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        config = json.loads((base / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(_not_converted_config(config, to_bf16), indent=2))
     (out / "MERGED_FROM.json").write_text(json.dumps(
-        {"base": str(base), "adapter": str(adapter.path), "modules": adapter.modules}, indent=2))
+        {"base": str(base_dir), "adapter": str(adapter.path), "modules": adapter.modules,
+         "kept_bf16": sorted(to_bf16)}, indent=2))
     return out
 
 
