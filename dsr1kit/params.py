@@ -223,6 +223,7 @@ class InspectParams(NotebookParams):
     adapter_dir: str = Field("", description="PEFT adapter folder; empty = latest HARI run's adapter")
     base_model: str = Field("", description="Base model; empty = the adapter's base_model_name_or_path")
     quantization: Literal["nf4", "none"] = "none"
+    quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts, as notebook 20 loads R1")
     probe_dataset: str = Field("data/sft_tiny.jsonl", description="Held-out slice of the training data")
     retain_dataset: str = Field("data/retain_tiny.jsonl", description="Text unrelated to training")
     n_probe: int = Field(32, ge=1)

@@ -10,7 +10,8 @@ config.json; sharded safetensors with an index. This module writes the
 so that with ``HF_HUB_OFFLINE=1`` the repo id resolves as it does on a
 cluster whose cache already holds R1. Nothing is downloaded.
 
-    python -m dsr1kit.r1_format     # builds it (cached) and prints HF_HOME and the repo id
+    python -m dsr1kit.r1_format          # builds it (cached), prints where it is
+    eval "$(python -m dsr1kit.r1_format --env)"   # and sets the offline hub environment in this shell
 """
 
 from __future__ import annotations
@@ -132,5 +133,11 @@ def offline_env(home: Path | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    import shlex
+    import sys
+
     snap = build()
-    print(f"HF_HOME={hf_home()}\nrepo id: {REPO_ID}\nsnapshot: {snap}")
+    if "--env" in sys.argv[1:]:
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in offline_env().items()))
+    else:
+        print(f"HF_HOME={hf_home()}\nrepo id: {REPO_ID}\nsnapshot: {snap}")

@@ -44,13 +44,16 @@ class ServedEval:
         self.phases: dict[str, dict[str, float]] = {}
         self.parity = None
         self.stats: dict = {}
+        self.served_forms: dict[str, str] = {}  # phase -> how the checkpoint is served (as stored, or a bf16 copy)
 
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
         from . import adapters
+        from .serve_form import servable
         from .server import VLLMServer
 
         if self.server is not None:
             self.server.stop()
+        model_path, self.served_forms[phase] = servable(model_path, self.run_dir / "served")
         modules = {self.p.lora_name: str(self.adapter)} if lora else None
         rank = max(self.p.max_lora_rank, adapters.adapter_rank(self.adapter)) if lora else self.p.max_lora_rank
         self.server = VLLMServer.from_params(self.p, self.run_dir, model_path, modules, name=name, max_lora_rank=rank)

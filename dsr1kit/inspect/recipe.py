@@ -38,8 +38,8 @@ def load_adapted(p, adapter: Adapter):
     if not base:
         raise AdapterError(f"{adapter.path}: adapter_config.json names no base model; set base_model")
     on_gpu = torch.cuda.is_available()
-    hp = P.HariParams(model=base, quantization=p.quantization, dtype="bfloat16" if on_gpu else "float32",
-                      device_map="contiguous" if on_gpu else "cpu")
+    hp = P.HariParams(model=base, quantization=p.quantization, quantize_experts=p.quantize_experts,
+                      dtype="bfloat16" if on_gpu else "float32", device_map="contiguous" if on_gpu else "cpu")
     loaded = load_model(hp)
     model = PeftModel.from_pretrained(loaded.model, str(adapter.path))
     model.eval()

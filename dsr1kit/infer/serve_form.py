@@ -1,0 +1,97 @@
+"""Which form of a checkpoint vLLM serves here: R1's FP8 as shipped, or a bf16 copy where FP8 cannot run.
+
+On GPUs (H100/H200) vLLM serves DeepSeek-R1's FP8 block-scaled weights as
+they are. vLLM's CPU backend runs FP8 block-scaled linears only with AMX
+tiles (Sapphire Rapids or newer); elsewhere it refuses to load ("Failed to
+find a kernel that can implement the ScaledMM linear layer"). There the kit
+serves a bf16 copy, dequantized shard by shard with the same block formula
+the loaders use, and the report says so. Modules already stored in bf16 (a
+merged adapter's) are copied as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_fp8_block_checkpoint(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    quant = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return quant.get("quant_method") == "fp8" and bool(quant.get("weight_block_size"))
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def fp8_blocks_servable() -> bool:
+    """Can vLLM on this machine run FP8 block-scaled linears? (GPUs yes; a CPU only with AMX.)"""
+    return torch.cuda.is_available() or cpu_has_amx()
+
+
+def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
+    """A bf16 copy of an FP8 block checkpoint (atomically; reused when complete). Host memory: one shard."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    if (dst / INDEX_FILE).is_file():
+        return dst
+    config = json.loads((src / "config.json").read_text())
+    block = tuple(config["quantization_config"]["weight_block_size"])
+    index = json.loads((src / INDEX_FILE).read_text())
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+    try:
+        for shard in sorted(set(index["weight_map"].values())):
+            out = {}
+            with safe_open(src / shard, "pt") as f:
+                for key in f.keys():
+                    if key.endswith(SCALE_SUFFIX):
+                        continue
+                    t = f.get_tensor(key)
+                    if t.dtype == FP8_DTYPE:
+                        t = dequantize_fp8_blocks(t, f.get_tensor(key + SCALE_SUFFIX), block, torch.bfloat16, key)
+                    out[key] = t.contiguous()
+            save_file(out, tmp / shard, metadata={"format": "pt"})
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith(SCALE_SUFFIX)}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        config.pop("quantization_config")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for item in src.iterdir():
+            if item.is_file() and not (tmp / item.name).exists() and not item.name.endswith(".safetensors"):
+                shutil.copy2(item, tmp / item.name)
+        tmp.chmod(0o755)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def servable(model: str, work_dir: str | Path) -> tuple[str, str]:
+    """(what to pass to ``vllm --model``, a line for the report) for ``model`` (local dir or repo id)."""
+    from ..model.load import local_checkpoint
+
+    if fp8_blocks_servable():
+        return model, "served as stored"
+    local = Path(local_checkpoint(model)) if not Path(model).is_dir() else Path(model)
+    if not is_fp8_block_checkpoint(local):
+        return model, "served as stored"
+    copy = dequantized_copy(local, Path(work_dir) / f"{local.name}-bf16")
+    return str(copy), ("FP8 block-scaled weights cannot run on this CPU (vLLM needs AMX tiles); serving a bf16 "
+                       f"copy dequantized from the checkpoint: {copy}")
