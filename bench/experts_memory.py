@@ -54,10 +54,11 @@ SMOKE = dict(CONFIG, vocab_size=1024, hidden_size=256, intermediate_size=512, mo
              num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
              q_lora_rank=64, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
              num_attention_heads=4, num_key_value_heads=4)
-FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 MODES = ("hf_bf16", "hf_nf4_linears", "stream_bf16_to_bf16", "stream_bf16_to_nf4", "stream_fp8_to_nf4",
          "stream_fp8_to_nf4_incl_lm_head")
 GIB = 2**30
+
+from dsr1kit.r1_format import R1_QUANTIZATION_CONFIG, is_fp8_weight  # noqa: E402 (after the sys.path line)
 
 
 # -- small helpers ----------------------------------------------------------------------------
@@ -128,11 +129,6 @@ def build_model(config_dict: dict, seed: int = 0):
     return model.eval()
 
 
-def is_fp8_weight(key: str, t: torch.Tensor) -> bool:
-    return (t.dim() == 2 and key.endswith(".weight") and not key.endswith("mlp.gate.weight")
-            and key not in ("model.embed_tokens.weight", "lm_head.weight"))
-
-
 def save_fp8(model, out: Path) -> None:
     """R1's layout: per-expert keys, FP8 linears with block scales, one shard per decoder layer."""
     from safetensors.torch import save_file
@@ -166,7 +162,7 @@ def save_fp8(model, out: Path) -> None:
         weight_map.update({k: shard for k in tensors})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = model.config.to_dict()
-    config["quantization_config"] = FP8_QUANT
+    config["quantization_config"] = R1_QUANTIZATION_CONFIG
     (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import ROOT, run_cli
+from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.data import templates
 from dsr1kit.infer.serve_form import fp8_blocks_servable
@@ -90,12 +91,22 @@ def test_serving_and_eval_on_r1_format(runs, hari):
             assert form == "served as stored"
         else:
             assert form.startswith("FP8 block-scaled weights cannot run on this CPU") and "bf16 copy" in form
+    n = yaml.safe_load((REHEARSAL / "10_vllm_inference.yaml").read_text())["eval_limit"]
     for model in ("base", "adapter"):
-        assert sum(r[model] for r in s["answer_rules"]) == 24  # every answer read by a rule or unparseable
+        assert sum(r[model] for r in s["answer_rules"]) == n  # every answer read by a rule or unparseable
     assert "adapter" in s["headline"]
 
 
-def test_inspection_loads_r1_as_training_does(runs, hari):
-    run_dir = _run(runs, "30_adapter_inspection", "-p", "adapter_dir", str(hari / "adapter"))
+def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):
+    """slurm/adapter_inspection.sbatch with R1's params file and the rehearsal's on top (extra args pass through)."""
+    run_dir = runs / "20261202T000000Z-30_adapter_inspection-r1rehe"
+    notebook = "30_adapter_inspection"
+    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "--cpus-per-task=2", "slurm/adapter_inspection.sbatch",
+                          str(R1 / f"{notebook}.yaml"), "-f", str(REHEARSAL / f"{notebook}.yaml"),
+                          "-p", "adapter_dir", str(hari / "adapter"), "--run-dir", str(run_dir), "-q",
+                          env={"NVME_DIR": str(tmp_path / "nvme"), "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    job = slurm.wait_job(job_id, timeout=540)
+    assert job.state == "COMPLETED", job.output[-4000:]
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     load = _summary(run_dir)["base_load"]
     assert (load["quantization"], load["quantize_experts"]) == ("nf4", True)

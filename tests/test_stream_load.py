@@ -15,54 +15,10 @@ from safetensors.torch import save_file
 
 from dsr1kit.model.fp8 import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from dsr1kit.model.stream_load import CheckpointError, device_for, load_streaming
+from dsr1kit.r1_format import (R1_QUANTIZATION_CONFIG, is_fp8_weight, read_tensors, shard_name, to_fp8,
+                               write_checkpoint)
 
 ROOT = Path(__file__).resolve().parent.parent
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
-# -- making checkpoints the way DeepSeek and transformers write them --------------------------
-
-def is_fp8_weight(key: str, tensor: torch.Tensor) -> bool:
-    """R1 keeps embeddings, norms, the router gate and lm_head in bf16; every other linear weight is FP8."""
-    return (tensor.dim() == 2 and key.endswith(".weight") and not key.endswith("mlp.gate.weight")
-            and key not in ("model.embed_tokens.weight", "lm_head.weight"))
-
-
-def to_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, t in tensors.items():
-        if is_fp8_weight(key, t):
-            out[key], out[key + "_scale_inv"] = quantize_fp8_blocks(t)
-        else:
-            out[key] = t
-    return out
-
-
-def shard_name(key: str) -> str:
-    """One shard per decoder layer, one for the rest: a real index with several files."""
-    parts = key.split(".")
-    return f"layer-{int(parts[2]):03d}.safetensors" if key.startswith("model.layers.") else "other.safetensors"
-
-
-def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, fp8: bool = False) -> Path:
-    """Sharded safetensors + index + config.json (with DeepSeek's FP8 quantization_config when fp8)."""
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = to_fp8(tensors) if fp8 else tensors
-    shards: dict[str, dict] = {}
-    for key, t in tensors.items():
-        shards.setdefault(shard_name(key), {})[key] = t.contiguous()
-    for name, part in shards.items():
-        save_file(part, out / name, metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k: shard_name(k) for k in tensors}}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config = dict(config, quantization_config=FP8_CONFIG) if fp8 else dict(config)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
-    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def tiny_config(tiny_dir: Path) -> dict:
@@ -84,7 +40,7 @@ def reference(tiny_dir):
 @pytest.fixture(scope="module")
 def fp8_dir(tiny_dir, tmp_path_factory):
     """The tiny model as DeepSeek ships R1: per-expert keys, FP8 linears with 128x128 block scales."""
-    return write_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny-fp8", read_all(tiny_dir),
+    return write_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny-fp8", read_tensors(tiny_dir),
                             tiny_config(tiny_dir), fp8=True)
 
 
@@ -214,7 +170,7 @@ def test_missing_shard_is_named_with_what_to_do(fp8_dir, tmp_path):
 
 
 def test_tensor_with_unexpected_shape_names_file_tensor_and_shapes(tiny_dir, tmp_path):
-    tensors = read_all(tiny_dir)
+    tensors = read_tensors(tiny_dir)
     tensors["model.layers.2.self_attn.q_a_proj.weight"] = torch.zeros(32, 256, dtype=torch.bfloat16)
     bad = write_checkpoint(tmp_path / "bad", tensors, tiny_config(tiny_dir))
     with pytest.raises(CheckpointError, match=r"layer-002\.safetensors: tensor model\.layers\.2\.self_attn\."
@@ -324,7 +280,7 @@ def write_big_checkpoint(out: Path) -> tuple[int, int]:
         with safe_open(out / shard, framework="pt") as f:
             weight_map.update({k: shard for k in f.keys()})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(dict(BIG, quantization_config=FP8_CONFIG)))
+    (out / "config.json").write_text(json.dumps(dict(BIG, quantization_config=R1_QUANTIZATION_CONFIG)))
     return max(unit_bytes), sum(unit_bytes)
 
 
