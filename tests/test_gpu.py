@@ -50,7 +50,7 @@ def test_nf4_model_is_quantized_on_cuda_with_fp32_routing():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     for h in hooks:
         h.remove()
-    assert gates and seen and set(seen) == {torch.float32}   # routing in fp32 (DESIGN.md fact 4)
+    assert gates and seen and set(seen) == {torch.float32}   # routing in fp32: bf16 logits change the chosen experts
 
 
 def test_fast_equals_naive_on_cuda_nf4_bf16():

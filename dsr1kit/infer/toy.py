@@ -1,6 +1,6 @@
 """Toy models and adapters for testing the serving path on a CPU, built locally in seconds.
 
-vLLM on CPU cannot serve a LoRA on a MoE model (DESIGN.md fact 14), so adapter
+vLLM on CPU cannot serve a LoRA on a MoE model (its MoE-LoRA backend is Triton's, which fails on CPU), so adapter
 serving and the parity check are exercised on a tiny *dense* Llama that shares
 the embedded tiny model's tokenizer; the DeepSeek-V3 tiny model covers the
 merge-then-serve path. Adapters are plain PEFT LoRAs with a non-zero ``lora_B``

@@ -5,7 +5,7 @@
   after every ``model.train()``; the MoE MLP can raise
   ``UnboundLocalError: ... 'y' ...`` on its shared-experts path → that layer's
   MLP falls back to identity, *only* for that exact error, and it is counted.
-  Native transformers modeling has neither trap (DESIGN.md fact 2).
+  Native transformers modeling has neither trap (its router has no training-mode assert).
 - bitsandbytes on CPU: an eval-mode ``no_grad`` forward repacks NF4 weights
   for AVX512-BF16 and afterwards training silently gets ``None`` grads
   (fact 6) → the repack is switched off on every ``Linear4bit``.

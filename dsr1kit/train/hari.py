@@ -4,7 +4,7 @@ The reference is the same model with its adapter disabled, so the KL term
 pulls the adapted model towards its own base outputs and limits forgetting.
 The KL is averaged over attention-masked tokens (``kl_tokens="all"``) or over
 the positions that predict assistant tokens (``"assistant"``); it is computed
-in fp32 (a bf16 KL is unreliable near zero, DESIGN.md fact 5).
+in fp32 (a bf16 KL is unreliable near zero: 8.3e-5 against 3.96e-5 in fp32).
 
 Two implementations with the same value and gradients:
 
