@@ -56,17 +56,13 @@ def _template(tokenizer, messages: list[dict], **kwargs):
                             "assistant turns (tokenizer.chat_template)") from err
 
 
-def served_prompt_text(tokenizer, messages: list[dict]) -> str:
-    """The prompt text the server continues: the messages with the generation prompt added."""
-    return _template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
+def served_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """(text, token ids) of the prompt the server continues: the messages with the generation prompt added.
 
-
-def served_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the served prompt, tokenized the way evaluation sends them."""
-    ids = _template(tokenizer, messages, tokenize=True, add_generation_prompt=True)
-    if hasattr(ids, "keys"):  # a BatchEncoding in some versions
-        ids = ids["input_ids"]
-    return list(ids)
+    Tokenized as ``apply_chat_template(..., tokenize=True)`` does: the rendered text, no special tokens added.
+    """
+    text = _template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def opens_reasoning(prompt_text: str) -> bool:
@@ -99,7 +95,7 @@ def render_chat(tokenizer, messages: list[dict]) -> Rendered:
     if not messages or messages[-1].get("role") != "assistant":
         raise ValueError("render_chat needs a chat whose last message is the assistant's")
     history, content = messages[:-1], str(messages[-1]["content"])
-    prompt_text = served_prompt_text(tokenizer, history)
+    prompt_text, prompt_ids = served_prompt(tokenizer, history)
     full = _template(tokenizer, messages, tokenize=False)
     if full.startswith(prompt_text) and full[len(prompt_text):].startswith(content):
         how, target_text = "template", full[len(prompt_text):]
@@ -112,7 +108,6 @@ def render_chat(tokenizer, messages: list[dict]) -> Rendered:
             raise TemplateError("the chat template drops or rewrites the assistant content and the tokenizer has "
                                 "no eos_token to end the turn with; set tokenizer.eos_token")
         how, target_text = "served prompt + content", _continuation(prompt_text, content) + tokenizer.eos_token
-    prompt_ids = served_prompt_ids(tokenizer, history)
     target_ids = tokenizer(target_text, add_special_tokens=False)["input_ids"]
     return Rendered(prompt_ids, list(target_ids), prompt_text, target_text,
                     _reasoning_span(target_text, opens_reasoning(prompt_text)), how)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.chat import options_of, to_messages
-from ..data.render import opens_reasoning, served_prompt_ids, served_prompt_text
+from ..data.render import opens_reasoning, served_prompt
 from ..paths import resolve
 from .answers import UNPARSEABLE, normalize, parse_answer
 from .client import Request
@@ -80,9 +80,9 @@ def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> 
         if messages is None or row.get("answer") is None:
             continue
         opts = options_of(row)
-        prompts.append(Prompt(row["id"], served_prompt_ids(tokenizer, messages), str(row["answer"]).strip(),
-                              str(row.get("category", "all")), len(opts), opts,
-                              opens_reasoning(served_prompt_text(tokenizer, messages))))
+        text, ids = served_prompt(tokenizer, messages)
+        prompts.append(Prompt(row["id"], ids, str(row["answer"]).strip(), str(row.get("category", "all")),
+                              len(opts), opts, opens_reasoning(text)))
     return prompts
 
 
