@@ -18,7 +18,7 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.data import templates
 from dsr1kit.infer.serve_form import fp8_blocks_servable
-from dsr1kit.r1_format import REPO_ID
+from dsr1kit.r1_format import REPO_ID, build
 
 R1 = Path("params/r1-671b-2x8h100")
 REHEARSAL = Path("params/r1-rehearsal")
@@ -39,6 +39,7 @@ def _summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    build()  # the R1-format checkpoint in the offline hub cache (cached)
     return tmp_path_factory.mktemp("r1-runs")
 
 
