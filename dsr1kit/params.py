@@ -133,7 +133,7 @@ class InferenceParams(NotebookParams):
     model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
     served_model_name: str = Field("model", description="Name the server answers to")
     host: str = Field("127.0.0.1", description="Address the server binds to and the client calls")
-    port: int = Field(0, ge=0, le=65535, description="Server port; 0 = a free one")
+    port: int = Field(0, ge=0, le=65535, description="Server port; 0: a free one")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (all GPUs of all nodes on R1)")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (usually 1: TP across nodes)")
     data_parallel_size: int = Field(1, ge=1, description="Model replicas")
@@ -144,7 +144,7 @@ class InferenceParams(NotebookParams):
     max_num_seqs: int = Field(64, ge=1, description="Raise step by step once stable")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Tokens per engine step; raise once stable")
     max_model_len: int = Field(4096, ge=16, description="Prompts longer than this minus max_new_tokens are excluded")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights dtype; auto = the checkpoint's")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights dtype; auto: the checkpoint's")
     enforce_eager: bool = Field(False, description="Skip graph capture/compile: faster start, slower decode")
     extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
     server_env: dict[str, str] = Field({}, description="Extra environment for the server, e.g. VLLM_CPU_KVCACHE_SPACE")
@@ -153,7 +153,7 @@ class InferenceParams(NotebookParams):
     lora_adapter: str = Field("", description="Adapter dir to serve and compare with the base; empty = base only; "
                                               "'latest' = newest HARI run's adapter beside this run")
     lora_name: str = Field("adapter", description="Name the adapter is served under")
-    max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank; must be >= the adapter's r")
+    max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank; must be at least the adapter's r")
     adapter_mode: Literal["lora", "merge"] = Field(
         "lora", description="lora = serve with --enable-lora and check parity; merge = merge into a copy of the "
                             "base and serve that (MoE on CPU, or an adapter vLLM ignores)")
@@ -163,10 +163,10 @@ class InferenceParams(NotebookParams):
     parity_tol: float = Field(0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)")
     # -- evaluation
     eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name)")
-    eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0 = all")
+    eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0: all")
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_new_tokens: int = Field(256, ge=1, description="Generated tokens per answer")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
     concurrency: int = Field(0, ge=0, description="Requests in flight; 0: 2 x max_num_seqs x data_parallel_size, "
                                                   "so the engine's batch stays full")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout")
