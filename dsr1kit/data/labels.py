@@ -81,7 +81,7 @@ def encode_rows(tokenizer, rows: list[dict[str, Any]], max_len: int, system_prom
             result.no_target += 1
             counts["skipped"] += 1
             continue
-        in_reasoning = reasoning_mask(tokenizer, rendered)[:trained]
+        in_reasoning = reasoning_mask(rendered)[:trained]
         counts["reasoning_tokens"] += sum(in_reasoning)
         counts["answer_tokens"] += trained - sum(in_reasoning)
         counts["no_reasoning"] += rationale_of(row) is None

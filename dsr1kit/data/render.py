@@ -41,6 +41,7 @@ class Rendered:
     target_text: str
     reasoning: tuple[int, int]  # [start, end) characters of target_text that are reasoning; (0, 0) when none
     how: str                   # "template" (rendered as written) or "served prompt + content"
+    target_offsets: list[tuple[int, int]] | None = None  # character span of each target token (fast tokenizers)
 
     @property
     def ids(self) -> list[int]:
@@ -108,15 +109,18 @@ def render_chat(tokenizer, messages: list[dict]) -> Rendered:
             raise TemplateError("the chat template drops or rewrites the assistant content and the tokenizer has "
                                 "no eos_token to end the turn with; set tokenizer.eos_token")
         how, target_text = "served prompt + content", _continuation(prompt_text, content) + tokenizer.eos_token
-    target_ids = tokenizer(target_text, add_special_tokens=False)["input_ids"]
-    return Rendered(prompt_ids, list(target_ids), prompt_text, target_text,
-                    _reasoning_span(target_text, opens_reasoning(prompt_text)), how)
+    try:
+        enc = tokenizer(target_text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
+    except NotImplementedError:  # slow tokenizers have no offsets
+        enc, offsets = tokenizer(target_text, add_special_tokens=False), None
+    return Rendered(prompt_ids, list(enc["input_ids"]), prompt_text, target_text,
+                    _reasoning_span(target_text, opens_reasoning(prompt_text)), how, offsets)
 
 
-def reasoning_mask(tokenizer, rendered: Rendered) -> list[bool]:
-    """Per target token: does it lie in the reasoning? (By character offsets of the target text.)"""
+def reasoning_mask(rendered: Rendered) -> list[bool]:
+    """Per target token: does it lie in the reasoning? (By character offsets; all False without offsets.)"""
     start, end = rendered.reasoning
-    if end <= start:
+    if end <= start or rendered.target_offsets is None:
         return [False] * len(rendered.target_ids)
-    enc = tokenizer(rendered.target_text, add_special_tokens=False, return_offsets_mapping=True)
-    return [start <= s < end for s, _ in enc["offset_mapping"]]
+    return [start <= s < end for s, _ in rendered.target_offsets]

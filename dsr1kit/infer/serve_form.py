@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
-
-INDEX_FILE = "model.safetensors.index.json"
+from ..model.stream_load import INDEX_FILE
 
 
 def is_fp8_block_checkpoint(path: str | Path) -> bool:
@@ -89,7 +88,7 @@ def servable(model: str, work_dir: str | Path) -> tuple[str, str]:
 
     if fp8_blocks_servable():
         return model, "served as stored"
-    local = Path(local_checkpoint(model)) if not Path(model).is_dir() else Path(model)
+    local = Path(local_checkpoint(model))
     if not is_fp8_block_checkpoint(local):
         return model, "served as stored"
     copy = dequantized_copy(local, Path(work_dir) / f"{local.name}-bf16")

@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ..model.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks
+from ..model.stream_load import INDEX_FILE
 from .adapter import Adapter, AdapterError
-
-SCALE_SUFFIX = "_scale_inv"
-INDEX_FILE = "model.safetensors.index.json"
 FUSED_PARTNERS = {"q_a_proj": "kv_a_proj_with_mqa", "kv_a_proj_with_mqa": "q_a_proj"}
 
 
@@ -57,8 +56,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _to_bf16(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor | None = None) -> None:
     """Dequantize an FP8 weight (plus delta) into bf16 and drop its scale."""
-    from ..model.fp8 import dequantize_fp8_blocks
-
     full = dequantize_fp8_blocks(tensors[key], tensors.pop(key + SCALE_SUFFIX), dtype=torch.float32, name=key)
     tensors[key] = (full if delta is None else full + delta).to(torch.bfloat16).contiguous()
 
@@ -112,13 +109,13 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
     for item in base.iterdir():
         if item.is_file() and item.name not in by_shard and item.name not in rewritten and not (out / item.name).exists():
             _link_or_copy(item, out / item.name)
-    to_bf16: list[str] = []
+    kept_bf16: list[str] = []
     for shard, modules in by_shard.items():
         tensors = load_file(base / shard)
         for module in modules:
             key = f"{module}.weight"
             if key + SCALE_SUFFIX in tensors:
-                to_bf16.append(module)
+                kept_bf16.append(module)
             if module in partners:
                 _to_bf16(tensors, key)
             else:
@@ -127,15 +124,15 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
         save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, out / shard)
     if fp8:
-        kept = {f"{m}.weight{SCALE_SUFFIX}" for m in to_bf16}
+        kept = {f"{m}.weight{SCALE_SUFFIX}" for m in kept_bf16}
         index = json.loads((base / INDEX_FILE).read_text())
         index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in kept}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         config = json.loads((base / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps(_not_converted_config(config, to_bf16), indent=2))
+        (out / "config.json").write_text(json.dumps(_not_converted_config(config, kept_bf16), indent=2))
     (out / "MERGED_FROM.json").write_text(json.dumps(
         {"base": str(base_dir), "adapter": str(adapter.path), "modules": adapter.modules,
-         "kept_bf16": sorted(to_bf16)}, indent=2))
+         "kept_bf16": sorted(kept_bf16)}, indent=2))
     return out
 
 
