@@ -20,7 +20,8 @@ embeddings, norms, router and lm_head bf16). Then:
 2. one MoE layer at S tokens: forward and forward+backward, bf16 vs NF4 experts,
    and whether the NF4 output equals the bf16 module on the dequantized weights;
 3. HARI fast-path step (``dsr1kit.train.hari.fast_loss``, LoRA r=4 on the last
-   layer's q_a_proj/q_b_proj) with NF4 linears and bf16 vs NF4 experts.
+   layer's q_a_proj/q_b_proj) with NF4 linears and bf16 vs NF4 experts, each with the
+   kit's memory plan (``dsr1kit.plan``) of that step beside the measured peak.
 """
 
 from __future__ import annotations
@@ -359,11 +360,23 @@ def hari_step(model, seq: int, steps: int = 5) -> dict:
 
 def hari_compare(bf16_dir: Path, fp8_dir: Path, seq: int) -> dict:
     results = {}
+    from dsr1kit.plan import GIB as PLAN_GIB
+    from dsr1kit.plan import Machine, hari_plan_for_config
+
     for label, mode in (("nf4_linears_bf16_experts", "hf_nf4_linears"), ("nf4_linears_nf4_experts",
                                                                            "stream_fp8_to_nf4")):
         try:
             model = load(mode, bf16_dir, fp8_dir)
             results[label] = hari_step(model, seq)
+            if torch.cuda.is_available():
+                machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
+                plan = hari_plan_for_config(model.config, machine, quantization="nf4", dtype="bfloat16",
+                                            quantize_experts=mode.startswith("stream"), batch_size=1, max_len=seq,
+                                            lora_r=4, loss_chunk=1024, device_map="contiguous")
+                planned = plan.peak_gpu_bytes / PLAN_GIB
+                results[label].update(plan_peak_gib=round(planned, 2), plan_over_measured=round(
+                    planned / results[label]["peak_gpu_gib"], 3),
+                    plan_parts_gib={k: round(v / PLAN_GIB, 3) for k, v in plan.devices[0].parts.items()})
         except Exception as exc:  # keep the other figures when the concurrently developed loop moves
             results[label] = {"error": f"{type(exc).__name__}: {exc}"}
         model = None

@@ -6,7 +6,8 @@ A random-init DeepSeek-V3-architecture model (hidden 2048, 8 layers, 64
 experts top-6, MLA, vocab 129,280; ~4.5B parameters, bf16) with LoRA on the
 last layer's q_a_proj/q_b_proj (r=4). For each sequence length: median step
 time (forward + backward, after warm-up), peak memory above the model, and
-ratios against the recipe; plus the cosine between the fast path's LoRA
+ratios against the recipe; the kit's memory plan (``dsr1kit.plan``) for the fast
+step beside the measured peak (model + step, torch's count); plus the cosine between the fast path's LoRA
 gradients and the naive path's (fp32 KL), the exactness claim of the fast
 path. Prints a table and writes JSON.
 
@@ -148,7 +149,25 @@ def measure(model, batch, impl, first_layer, warmup=2, iters=5):
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+MODEL_GIB = 0.0  # allocated after the model is built (set in main): the measured peaks are above it
+
+
+def plan_vs_measured(model, seq: int, fast_peak_above_model_gib: float) -> dict:
+    """The kit's plan of this fast step on one GPU against the measured peak (model + step)."""
+    from dsr1kit.plan import GIB, Machine, hari_plan_for_config
+
+    machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
+    plan = hari_plan_for_config(model.config, machine, quantization="none", dtype="bfloat16", batch_size=1,
+                                max_len=seq, lora_r=4, loss_chunk=1024, device_map="contiguous")
+    measured = MODEL_GIB + fast_peak_above_model_gib
+    planned = plan.peak_gpu_bytes / GIB
+    return {"plan_peak_gib": round(planned, 2), "measured_peak_gib": round(measured, 2),
+            "plan_over_measured": round(planned / measured, 3),
+            "plan_parts_gib": {k: round(v / GIB, 3) for k, v in plan.devices[0].parts.items()}}
+
+
 def main() -> None:
+    global MODEL_GIB
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--layers", type=int, default=8)
@@ -158,6 +177,7 @@ def main() -> None:
     model, plan = build_model(args.layers)
     first = min(plan.layers)
     n_params = sum(q.numel() for q in model.parameters())
+    MODEL_GIB = torch.cuda.memory_allocated() / 2**30
     print(f"{torch.cuda.get_device_name()}  model {n_params / 1e9:.2f}B params, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; LoRA on {plan.modules}")
     results = []
@@ -179,6 +199,7 @@ def main() -> None:
         row["memory_ratio_vs_recipe"] = round(row["recipe_peak_gib"] / row["fast_peak_gib"], 2)
         row["speedup_vs_naive"] = round(row["naive_ms"] / row["fast_ms"], 2)
         row["memory_ratio_vs_naive"] = round(row["naive_peak_gib"] / row["fast_peak_gib"], 2)
+        row.update(plan_vs_measured(model, seq, row["fast_peak_gib"]))
         row["phases_ms"] = phases(model, batch, first)
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -192,6 +213,9 @@ def main() -> None:
               f"{r['speedup_vs_recipe']:>8} {r['speedup_vs_naive']:>7} {r['recipe_peak_gib']:>10} "
               f"{r['naive_peak_gib']:>9} {r['fast_peak_gib']:>8} {r['memory_ratio_vs_recipe']:>8} "
               f"{r['grad_cosine']:>9.6f}")
+    print(f"{'S':>6} {'plan GiB':>9} {'measured GiB':>13} {'plan/measured':>14}   (fast step, model included)")
+    for r in results:
+        print(f"{r['seq']:>6} {r['plan_peak_gib']:>9} {r['measured_peak_gib']:>13} {r['plan_over_measured']:>14}")
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "params": n_params,
                                           "results": results}, indent=2))
 

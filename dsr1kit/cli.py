@@ -1,4 +1,4 @@
-"""`dsr1kit run | demo | runs | tiny`: the kit's command line."""
+"""`dsr1kit run | demo | plan | runs | tiny | lab`: the kit's command line."""
 
 from __future__ import annotations
 
@@ -52,6 +52,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     for name, status, run_dir in done:
         print(f"  {status:6s} {name:24s} {run_dir / 'report.html'}")
     return 1 if failed else 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan of a params file's step for this node (or the machine given); run nothing."""
+    from . import params
+    from .plan import Machine, plan_for_params
+
+    files = [args.params_file, *args.extra_file]
+    notebook = args.notebook or Path(args.params_file).stem
+    try:
+        p = params.load(notebook, files, {k: parse_override(v) for k, v in args.param})
+    except (ParamsError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    machine = Machine.detect().with_overrides(args.gpus, args.gpu_gib, args.host_gib)
+    plans = plan_for_params(Path(notebook).stem, p, machine)
+    if not plans:
+        print(f"{notebook} loads no model: nothing to plan")
+    for plan in plans:
+        print(plan.text() if plan.fits else plan.refusal(), end="\n\n")
+    return 0 if all(pl.fits for pl in plans) else 3
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
@@ -148,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs-dir", default="runs")
     demo.add_argument("-q", "--quiet", action="store_true")
     demo.set_defaults(func=_cmd_demo)
+
+    plan = sub.add_parser("plan", help="memory plan of a params file's step (per GPU and host); runs nothing",
+                          description="Bytes per GPU and on the host for the step a params file configures, "
+                                      "from the model's config alone. Exit status 3 when it does not fit.")
+    plan.add_argument("params_file")
+    plan.add_argument("-f", "--params-file", dest="extra_file", action="append", default=[],
+                      help="more YAML layered on top (repeatable)")
+    plan.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    plan.add_argument("--notebook", default=None, help="notebook name when the file name does not say it")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: this node's)")
+    plan.add_argument("--gpu-gib", type=float, default=None, help="memory per GPU, GiB (default: this node's)")
+    plan.add_argument("--host-gib", type=float, default=None, help="host memory available, GiB (default: this node's)")
+    plan.set_defaults(func=_cmd_plan)
 
     runs = sub.add_parser("runs", help="list run folders with status and headline metric")
     runs.add_argument("--runs-dir", default="runs")

@@ -15,6 +15,14 @@ is not), ``mismatch`` (neither), ``base-mismatch`` (the served base itself
 differs from the base model) or ``inconclusive`` (the adapter barely changes
 anything). Otherwise than ``applied``, ``merge_adapter`` writes base + adapter
 as a plain checkpoint that a server without ``--enable-lora`` loads.
+
+The PEFT reference is a full fp32 copy on the host (2.7 TB for R1). When the
+memory plan says the host cannot hold it, the reference is vLLM itself
+serving the merged checkpoint: the served adapter's greedy tokens are scored
+by the served base (teacher-forced, ``prompt_logprobs``) and later by the
+server of the merge, and the verdict is ``applied`` / ``ignored`` /
+``mismatch`` as above, or ``no-effect`` (a failure) when the merge scores
+like the base: the adapter changes nothing.
 """
 
 from __future__ import annotations
@@ -27,17 +35,24 @@ from typing import Any
 from .server import http_json
 
 
+PEFT_REFERENCE = "PEFT in transformers (fp32, host)"
+SERVED_REFERENCE = "vLLM serving the merged checkpoint"
+
+
 @dataclass
 class ParityResult:
-    verdict: str                # applied | ignored | mismatch | inconclusive | base-mismatch
-    vllm_vs_peft: float         # mean |Δ logprob|, vLLM adapter vs PEFT adapter
-    vllm_vs_base: float         # mean |Δ logprob|, vLLM adapter vs HF base
-    adapter_effect: float       # mean |Δ logprob|, PEFT adapter vs HF base
-    base_parity: float          # mean |Δ logprob|, vLLM base vs HF base (the noise floor)
+    verdict: str                # applied | ignored | mismatch | inconclusive | base-mismatch | no-effect
+    vllm_vs_peft: float         # mean |Δ logprob|, vLLM adapter vs the reference (PEFT, or the served merge)
+    vllm_vs_base: float         # mean |Δ logprob|, vLLM adapter vs the base
+    adapter_effect: float       # mean |Δ logprob|, reference vs base
+    base_parity: float | None   # mean |Δ logprob|, vLLM base vs HF base (noise floor; None with a served reference)
     tokens: int
     tol: float
+    reference: str = PEFT_REFERENCE
 
     def lines(self) -> list[str]:
+        if self.reference == SERVED_REFERENCE:
+            return self._served_lines()
         what = {
             "applied": "vLLM applies the adapter: its logprobs match PEFT's",
             "ignored": "vLLM IGNORES the adapter: its logprobs match the base model, not PEFT's",
@@ -50,6 +65,18 @@ class ParityResult:
                 f"mean |Δ logprob| over {self.tokens} tokens: vLLM vs PEFT {self.vllm_vs_peft:.4f}, "
                 f"vLLM vs base {self.vllm_vs_base:.4f}, PEFT vs base (adapter effect) {self.adapter_effect:.4f}, "
                 f"vLLM base vs HF base (noise floor) {self.base_parity:.4f}; tolerance {self.tol}"]
+
+    def _served_lines(self) -> list[str]:
+        what = {
+            "applied": "vLLM applies the adapter: its logprobs match the served merge's",
+            "ignored": "vLLM IGNORES the adapter: its logprobs match the base, not the served merge's",
+            "mismatch": "vLLM's adapter logprobs match neither the served merge nor the base",
+            "no-effect": "the ADAPTER CHANGES NOTHING: the merged checkpoint scores like the base",
+        }[self.verdict]
+        return [what + " (reference: the merge served by vLLM; the PEFT copy does not fit this host's memory)",
+                f"mean |Δ logprob| over {self.tokens} tokens: vLLM LoRA vs served merge {self.vllm_vs_peft:.4f}, "
+                f"vLLM LoRA vs served base {self.vllm_vs_base:.4f}, served merge vs base (adapter effect) "
+                f"{self.adapter_effect:.4f}; tolerance {self.tol}"]
 
     @property
     def status(self) -> str:
@@ -82,6 +109,54 @@ def vllm_generate(base_url: str, model: str, prompt_ids: list[int], n_tokens: in
         raise RuntimeError(f"completion for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
     lp = body["choices"][0]["logprobs"]
     return [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
+
+
+def vllm_score(base_url: str, model: str, prompt_ids: list[int], tokens: list[int],
+               timeout: float = 120) -> list[float]:
+    """Teacher-forced logprob of each continuation token as the server computes it (``prompt_logprobs``)."""
+    payload = {"model": model, "prompt": prompt_ids + tokens, "max_tokens": 1, "temperature": 0,
+               "prompt_logprobs": 0}
+    status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"scoring for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
+    per_position = body["choices"][0]["prompt_logprobs"]
+    start = len(prompt_ids)
+    return [float(per_position[start + i][str(tok)]["logprob"]) for i, tok in enumerate(tokens)]
+
+
+@dataclass
+class ServedSamples:
+    """The served adapter's greedy continuations, their logprobs, and the served base's on the same tokens."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    adapter_lp: list[list[float]]
+    base_lp: list[list[float]]
+
+
+def served_samples(base_url: str, base_name: str, adapter_name: str, prompts: list[list[int]],
+                   n_tokens: int = 16) -> ServedSamples:
+    """First half of the served parity check, on the server with ``--enable-lora``."""
+    served = [vllm_generate(base_url, adapter_name, p, n_tokens) for p in prompts]
+    base = [vllm_score(base_url, base_name, p, toks) for p, (toks, _) in zip(prompts, served)]
+    return ServedSamples(prompts, [t for t, _ in served], [lp for _, lp in served], base)
+
+
+def served_parity(samples: ServedSamples, merged_url: str, merged_name: str, tol: float = 0.1) -> ParityResult:
+    """Second half, on the server of the merged checkpoint: does the served LoRA compute the merge?"""
+    merged = [vllm_score(merged_url, merged_name, p, t) for p, t in zip(samples.prompts, samples.tokens)]
+    d_ref, d_base = _mean_abs(samples.adapter_lp, merged), _mean_abs(samples.adapter_lp, samples.base_lp)
+    effect = _mean_abs(merged, samples.base_lp)
+    if effect <= tol:
+        result = "no-effect"
+    elif d_ref <= tol:
+        result = "applied"
+    elif d_base <= tol:
+        result = "ignored"
+    else:
+        result = "mismatch"
+    return ParityResult(result, round(d_ref, 5), round(d_base, 5), round(effect, 5), None,
+                        sum(len(t) for t in samples.tokens), tol, SERVED_REFERENCE)
 
 
 def hf_continuation_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> list[float]:

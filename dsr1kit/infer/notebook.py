@@ -32,19 +32,33 @@ def stop_on_error(server):
 class ServedEval:
     """Notebook 10's servers, one alive at a time, each stopped when a step fails.
 
-    The base is served first (with ``--enable-lora`` when ``adapter_mode`` is ``lora``). A served
-    adapter is trusted only after the parity check; otherwise (or with ``adapter_mode: merge``) the
-    adapter is merged into a copy of the base and that copy is served and evaluated instead.
+    The base is served first (with ``--enable-lora`` when ``adapter_mode`` is ``lora``), once the memory
+    plan says it fits. A served adapter is trusted only after the parity check; otherwise (or with
+    ``adapter_mode: merge``) the adapter is merged into a copy of the base and that copy is served and
+    evaluated instead. When the host cannot hold the PEFT reference (the plan says so, as for R1), the
+    reference is the served merge: samples are taken from the LoRA server, the base is evaluated there,
+    then the merge is served, completes the parity check and is evaluated as the adapter.
     """
 
-    def __init__(self, p, run_dir: str | Path, model_path: str, adapter: Path | None):
+    def __init__(self, p, run_dir: str | Path, model_path: str, adapter: Path | None, machine=None):
+        from ..plan import Machine
+
         self.p, self.run_dir, self.model_path, self.adapter = p, Path(run_dir), model_path, adapter
         self.serve_lora = bool(adapter) and p.adapter_mode == "lora"
+        self.machine = machine or Machine.detect()
         self.server = None
         self.phases: dict[str, dict[str, float]] = {}
         self.parity = None
+        self.parity_note = "no adapter" if not adapter else f"adapter_mode={p.adapter_mode} (merged copy is served)"
+        self.samples = None  # served-reference parity: the LoRA server's half, finished on the merge's server
         self.stats: dict = {}
         self.served_forms: dict[str, str] = {}  # phase -> how the checkpoint is served (as stored, or a bf16 copy)
+
+    def memory_plan(self):
+        """vLLM's share per GPU (or host) for this model; the notebook shows it, start() refuses a misfit."""
+        from ..plan import serve_plan
+
+        return serve_plan(self.p, self.model_path, self.machine)
 
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
         from . import adapters
@@ -62,21 +76,35 @@ class ServedEval:
             self.phases[phase] = self.server.wait_ready()
         return self.server
 
-    def start(self):
-        """The base server (plus the adapter as a LoRA in lora mode); returns it once it answers."""
+    def start(self, plan=None):
+        """The base server (plus the adapter as a LoRA in lora mode) once the plan fits; returns it once it answers."""
+        (plan or self.memory_plan()).check()
         return self._launch("server-base", self.model_path, "base", lora=self.serve_lora)
 
     def check_parity(self, prompts):
         """PEFT vs vLLM logprobs for a served LoRA; not 'applied' + merge_if_ignored → base restarted without LoRA."""
         from . import adapters
 
+        from ..plan import reference_plan
+
         if not self.serve_lora:
+            return None
+        prompts = prompts[:self.p.parity_prompts]
+        reference = reference_plan(self.model_path, self.machine, max((len(pr.token_ids) for pr in prompts), default=1)
+                                   + 16, "parity reference (PEFT, fp32, host)")
+        if not reference.fits:
+            with stop_on_error(self.server):
+                self.samples = adapters.served_samples(self.server.base_url, self.p.served_model_name,
+                                                       self.p.lora_name, [pr.token_ids for pr in prompts])
+            self.serve_lora = False  # the adapter is evaluated on the served merge, which finishes the check
+            self.parity_note = ("the PEFT reference does not fit this host (" + "; ".join(reference.problems())
+                                + "): the served LoRA's samples are taken now and compared with the served "
+                                "merge after the base is evaluated")
             return None
         with stop_on_error(self.server):
             self.parity = adapters.parity_check(self.server.base_url, self.p.served_model_name, self.p.lora_name,
                                                 self.model_path, str(self.adapter),
-                                                [pr.token_ids for pr in prompts[:self.p.parity_prompts]],
-                                                tol=self.p.parity_tol)
+                                                [pr.token_ids for pr in prompts], tol=self.p.parity_tol)
         if self.parity.verdict != "applied" and self.p.merge_if_ignored:
             print("parity not applied: restarting the base without LoRA; the adapter will be merged")
             self.serve_lora = False
@@ -99,9 +127,18 @@ class ServedEval:
             merged = adapters.merge_adapter(self.model_path, self.adapter, run_dir / "merged")
             self._launch("server-merged", str(merged), "adapter (merged)")
             with stop_on_error(self.server):
+                if self.samples is not None:
+                    self.parity = adapters.served_parity(self.samples, self.server.base_url, p.served_model_name,
+                                                         p.parity_tol)
                 self.stats["adapter"] = evaluate.run_eval(self.server.base_url, p.served_model_name, prompts,
                                                           evaluate.results_path(run_dir, "adapter"), p)
         return self.stats
+
+    def finish(self) -> None:
+        """Stop the server; fail the run when the adapter changes nothing (the served merge scores as the base)."""
+        self.stop()
+        if self.parity is not None and self.parity.verdict == "no-effect":
+            raise AdapterHasNoEffect("; ".join(self.parity.lines()))
 
     @property
     def adapter_how(self) -> str:
@@ -110,6 +147,10 @@ class ServedEval:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+class AdapterHasNoEffect(RuntimeError):
+    """The served merge answers as the base: the run fails instead of reporting an adapter that is not there."""
 
 
 def headline(tables) -> str:

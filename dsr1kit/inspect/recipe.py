@@ -14,7 +14,7 @@ from ..paths import PROJECT_ROOT, resolve
 from .adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter, latest_adapter,  # noqa: F401
                       read_adapter, stats_frame)
 from .compare import ProbeResult, compare_on, encode_probe, generations, training_slices
-from .merge import merge_into_copy, verify_merge
+from .merge import merge_into_copy, verify_merge, verify_merged_weights
 
 
 def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
@@ -28,15 +28,33 @@ def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
     return found
 
 
-def load_adapted(p, adapter: Adapter):
-    """Base model through the training loader (NF4 if asked), with the adapter attached."""
+def base_model_name(p, adapter: Adapter) -> str:
+    base = p.base_model or adapter.config.get("base_model_name_or_path")
+    if not base:
+        raise AdapterError(f"{adapter.path}: adapter_config.json names no base model; set base_model")
+    return base
+
+
+def memory_plans(p, adapter: Adapter) -> dict[str, Any]:
+    """The inspection's load + probes, and (with merge_out) the fp32 logits check of the merge, on this node."""
+    from ..plan import Machine, inspect_plan, reference_plan
+
+    base, machine = base_model_name(p, adapter), Machine.detect()
+    plans = {"inspect": inspect_plan(p, base, machine)}
+    if p.merge_out:
+        plans["merge check"] = reference_plan(base, machine, p.max_len, "merged-checkpoint logits check (fp32, host)")
+    return plans
+
+
+def load_adapted(p, adapter: Adapter, plan=None):
+    """Base model through the training loader (NF4 if asked), with the adapter attached, once the plan fits."""
     from peft import PeftModel
 
     from ..model.load import load_model, load_tokenizer
 
-    base = p.base_model or adapter.config.get("base_model_name_or_path")
-    if not base:
-        raise AdapterError(f"{adapter.path}: adapter_config.json names no base model; set base_model")
+    if plan is not None:
+        plan.check()
+    base = base_model_name(p, adapter)
     on_gpu = torch.cuda.is_available()
     hp = P.HariParams(model=base, quantization=p.quantization, quantize_experts=p.quantize_experts,
                       dtype="bfloat16" if on_gpu else "float32", device_map="contiguous" if on_gpu else "cpu")
@@ -64,18 +82,24 @@ def side_by_side(model, tokenizer, sets: dict[str, list[dict]], p) -> list[dict[
     return generations(model, tokenizer, rows, p.max_new_tokens, p.system_prompt)
 
 
-def merge_and_verify(model, tokenizer, loaded, adapter: Adapter, out_dir: Path, sets) -> dict[str, Any]:
-    """Merged checkpoint in out_dir; its logits against base+adapter on a probe example."""
+def merge_and_verify(model, tokenizer, loaded, adapter: Adapter, out_dir: Path, sets,
+                     logits_check: bool = True) -> dict[str, Any]:
+    """Merged checkpoint in out_dir; its logits against base+adapter on a probe example, or, when the plan
+    says an fp32 copy does not fit the host (R1), each merged weight against W + ΔW."""
     from transformers import AutoModelForCausalLM
 
     from ..model.load import local_checkpoint
 
     merge_into_copy(local_checkpoint(loaded.path), adapter, out_dir)
+    if not logits_check:
+        check = verify_merged_weights(loaded.path, out_dir, adapter)
+        return {"checked": "weights: merged vs W + ΔW (an fp32 copy does not fit the host)", **check,
+                "merged_dir": str(out_dir)}
     merged = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     ids, _ = encode_probe(tokenizer, next(iter(sets.values()))[:1], 256, "")[0]
     check = verify_merge(model, merged, torch.tensor([ids], device=model.get_input_embeddings().weight.device))
     check["merged_dir"] = str(out_dir)
-    return check
+    return {"checked": "logits: merged checkpoint vs base + adapter (fp32)", **check}
 
 
 def verdict(stats: list[ModuleStats], results: list[ProbeResult]) -> tuple[str, list[str]]:
@@ -111,5 +135,5 @@ def summary_json(stats, results, merge_check) -> str:
                        "merge": merge_check}, indent=2, default=str)
 
 
-__all__ = ["find_adapter", "read_adapter", "inspect_adapter", "load_adapted", "probe_sets", "compare_all",
+__all__ = ["find_adapter", "memory_plans", "read_adapter", "inspect_adapter", "load_adapted", "probe_sets", "compare_all",
            "side_by_side", "merge_and_verify", "verdict", "stats_frame"]

@@ -50,7 +50,16 @@ def prepare_data(p, tokenizer) -> tuple[EncodedSet, list[dict[str, Any]]]:
     return encoded, sources
 
 
-def prepare_model(p, info: dist.DistInfo) -> tuple[LoadedModel, Any, LoraPlan]:
+def memory_plan(p):
+    """Bytes per GPU and host for loading the model and one HARI step, on this node (nothing loaded)."""
+    from ..plan import Machine, hari_plan
+
+    return hari_plan(p, Machine.detect())
+
+
+def prepare_model(p, info: dist.DistInfo, plan=None) -> tuple[LoadedModel, Any, LoraPlan]:
+    """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not)."""
+    (plan or memory_plan(p)).check()
     loaded = load_model(p, rank=info.rank)
     torch.manual_seed(p.seed)  # identical LoRA init on every rank
     model, plan = apply_lora(loaded.model, p)

@@ -1,0 +1,214 @@
+"""Bytes per device for each heavy step, from the inventory and the step's parameters.
+
+Every term is counted from what the code allocates, not fitted: the weights
+as the loaders store them, placed by the same ``placement.device_map`` the
+loader uses; the NF4 experts dequantized ``CHUNK_EXPERTS`` at a time; the
+activations of one layer's forward for the frozen prefix; the saved
+activations of the adapted layers; the chunked loss's fp32 [chunk, vocab]
+temporaries; LoRA weights, gradients and optimizer state. Tokens per step are
+``batch_size × max_len`` (the worst batch). What torch's allocator does not
+count (CUDA context, cuBLAS workspaces) is one ``runtime`` row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..model.experts_nf4 import CHUNK_EXPERTS
+from .inventory import Inventory, bytes_per_param, served_bytes_per_param
+
+GIB = 2**30
+H100_BYTES = 79.6 * GIB  # an H100-80GB as torch reports it: the GPU size advice assumes without one
+CUDA_RUNTIME = 1.0 * GIB   # CUDA context, cuBLAS/NCCL workspaces: outside torch's count
+HOST_RUNTIME = 1.5 * GIB   # python + torch + transformers (+ CUDA libraries) in the host process
+VLLM_HOST_RUNTIME = 3.0 * GIB  # api server, engine core and worker processes on a CPU
+LOSS_FP32_TEMPS = 6        # fp32 [chunk, V] alive at once in chunk_terms_and_grad (z, grad, log_q, log_p, q, p−q)
+PROBE_FP32_TEMPS = 7       # compare_on: two fp32 logits, two log-softmaxes, three elementwise temporaries
+LORA_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + two fp32 Adam moments (8-bit Adam needs less)
+
+
+@dataclass
+class Device:
+    """One device's share: named parts in bytes against what the device has."""
+
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)
+    budget: float = 0.0
+    phase: str = ""  # when the peak happens: "layer" (a layer's forward/backward) or "loss"
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+
+# -- per-token activation sizes ------------------------------------------------------------------
+
+def _attention_per_token(c) -> int:
+    """Elements of one attention block's intermediates per token (MLA or multi-head)."""
+    heads, h = c.num_attention_heads, c.hidden_size
+    if getattr(c, "kv_lora_rank", None):
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        return ((c.q_lora_rank or h) + 3 * heads * qk + c.kv_lora_rank + c.qk_rope_head_dim
+                + 2 * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim + 3 * h)
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    kv = getattr(c, "num_key_value_heads", heads) or heads
+    return 3 * heads * head_dim + 4 * kv * head_dim + 3 * h
+
+
+def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool) -> int:
+    h = c.hidden_size
+    if not moe:
+        return 3 * c.intermediate_size + h
+    k, inter = c.num_experts_per_tok, c.moe_intermediate_size
+    shared = 3 * (getattr(c, "n_shared_experts", 0) or 0) * inter
+    router = 2 * c.n_routed_experts * 2  # fp32 logits and scores, counted in 2-byte units
+    routed = k * h if (saved and nf4_experts) else k * (h + 3 * inter)  # NF4 backward recomputes the experts
+    return routed + shared + router + h
+
+
+def _is_moe(c, layer: int) -> bool:
+    return bool(getattr(c, "n_routed_experts", 0)) and layer >= (getattr(c, "first_k_dense_replace", 0) or 0)
+
+
+def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
+    """Peak of one layer's forward under no_grad: attention or MLP intermediates, plus the residual."""
+    inner = max(_attention_per_token(c), _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False))
+    return tokens * act * (inner + 2 * c.hidden_size)
+
+
+def layer_saved_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
+    """What autograd keeps of an adapted layer until backward: both blocks' intermediates."""
+    return tokens * act * (_attention_per_token(c) + _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=True))
+
+
+def dequant_bytes(c, nf4_experts: bool, act: int) -> float:
+    """NF4 experts are dequantized CHUNK_EXPERTS at a time (gate_up and down) for each MoE layer's forward."""
+    if not (nf4_experts and getattr(c, "n_routed_experts", 0)):
+        return 0.0
+    return min(CHUNK_EXPERTS, c.n_routed_experts) * 3 * c.moe_intermediate_size * c.hidden_size * act
+
+
+def lora_parameters(inv: Inventory, r: int, last_k: int, targets: list[str]) -> int:
+    """LoRA A and B of the targets (or the auto-detected ones) in each of the last K layers."""
+    from ..model.lora import PREFERENCE
+
+    names = targets or next((list(g) for g in PREFERENCE if all(n in inv.adapted_linears for n in g)), [])
+    return last_k * sum(r * sum(inv.adapted_linears[n]) for n in names if n in inv.adapted_linears)
+
+
+# -- placement ---------------------------------------------------------------------------------------
+
+def unit_devices(inv: Inventory, n_gpus: int, scheme: str) -> dict[str, int]:
+    """Unit -> GPU index from the loader's own placement (one GPU: everything on 0)."""
+    from ..model.placement import device_map
+
+    if n_gpus <= 1:
+        return {u: 0 for u in inv.units}
+    dm = device_map(inv.config, n_gpus, scheme, sizes=inv.layer_sizes())
+    return {u: dm.get(u, 0 if u == "model.embed_tokens" else n_gpus - 1) for u in inv.units}
+
+
+# -- the steps ---------------------------------------------------------------------------------------
+
+def training_devices(inv: Inventory, *, n_gpus: int, gpu_bytes: float, host_bytes: float, scheme: str,
+                     dtype_bytes: int, nf4_linears: bool, nf4_experts: bool, tokens: int, chunk: int,
+                     last_k: int, lora_params: int, from_pretrained: bool, train: bool = True,
+                     probe_tokens: int = 0) -> list[Device]:
+    """HARI load + one fast-path step (train=True) or an inspection forward (train=False), per device."""
+    c, act = inv.config, dtype_bytes
+    per_kind = bytes_per_param(dtype_bytes, nf4_linears, nf4_experts)
+    weights = {u: inv.unit_bytes(u, per_kind) for u in inv.units}
+    n_layers = len(inv.layers)
+    adapted = set(range(n_layers - last_k, n_layers))
+    vocab = c.vocab_size
+    linear_dequant = inv.largest_linear * act if nf4_linears else 0.0
+
+    on_gpu = n_gpus > 0
+    where = unit_devices(inv, n_gpus, scheme) if on_gpu else {u: 0 for u in inv.units}
+    slots = max(n_gpus, 1)
+    dev_weights, dequant, act_peak = [0.0] * slots, [0.0] * slots, [0.0] * slots
+    for unit, d in where.items():
+        dev_weights[d] += weights[unit]
+        if unit.startswith("model.layers."):
+            i = int(unit.rsplit(".", 1)[1])
+            moe = _is_moe(c, i)
+            dequant[d] = max(dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant)
+            if not (train and i in adapted):
+                act_peak[d] = max(act_peak[d], layer_forward_bytes(c, i, tokens, act, nf4_experts))
+    last = where.get("lm_head", where[inv.layers[-1]])
+    saved = 0.0
+    if train:
+        saved = sum(layer_saved_bytes(c, i, tokens, act, nf4_experts) for i in adapted)
+        saved += tokens * c.hidden_size * (6 * act + 8)  # input, student, ref, gathered pair, grads (+fp32)
+        loss = min(chunk, tokens) * vocab * (4 * LOSS_FP32_TEMPS + 2 * act)
+    else:
+        loss = probe_tokens * vocab * (4 * PROBE_FP32_TEMPS + act)
+    devices = []
+    for d in range(slots):
+        # the peak is one phase: a layer's forward/backward (dequantized experts + its transient) or the loss
+        layer_phase = {"dequant (transient)": dequant[d], "activations": act_peak[d] + (saved if d == last else 0)}
+        loss_phase = {"activations": saved, "loss / logits": loss} if d == last else {}
+        phase, parts = ("layer", layer_phase) if sum(layer_phase.values()) >= sum(loss_phase.values()) \
+            else ("loss", loss_phase)
+        parts = {"weights": dev_weights[d], **parts}
+        if d == last and train:
+            parts["LoRA + optimizer"] = lora_params * LORA_BYTES_PER_PARAM
+        if on_gpu:
+            parts["runtime"] = CUDA_RUNTIME
+            devices.append(Device(f"gpu {d}", parts, gpu_bytes, phase))
+        else:
+            parts["runtime"] = HOST_RUNTIME
+            devices.append(Device("host", parts, host_bytes, phase))
+    if on_gpu:  # the host only loads: from_pretrained passes the checkpoint through it, streaming one tensor
+        host = {"runtime": HOST_RUNTIME}
+        if from_pretrained:
+            host["weights in transit"] = sum(inv.unit_bytes(u, bytes_per_param(dtype_bytes, False, False))
+                                             for u in inv.units)
+        devices.append(Device("host", host, host_bytes))
+    return devices
+
+
+def reference_devices(inv: Inventory, host_bytes: float, tokens: int) -> list[Device]:
+    """A transformers model in fp32 on the host (the parity reference, the merged-logits check)."""
+    per_kind = bytes_per_param(4, False, False)
+    weights = sum(inv.unit_bytes(u, per_kind) for u in inv.units)
+    parts = {"weights": weights, "activations": layer_forward_bytes(inv.config, len(inv.layers) - 1, tokens, 4, False),
+             "loss / logits": tokens * inv.config.vocab_size * 4 * 3, "runtime": HOST_RUNTIME}
+    return [Device("host", parts, host_bytes)]
+
+
+def serving_devices(inv: Inventory, *, dtype: str, n_gpus: int, gpu_bytes: float, utilization: float,
+                    host_bytes: float, tp: int, pp: int, max_model_len: int, max_num_seqs: int,
+                    batched_tokens: int, enforce_eager: bool, cpu_kv_bytes: float) -> tuple[list[Device], dict]:
+    """vLLM: weights sharded over TP x PP, the profiling activations, and the KV cache the rest leaves."""
+    c = inv.config
+    per_kind = served_bytes_per_param(c, dtype)
+    weights = sum(inv.unit_bytes(u, per_kind) for u in inv.units)
+    layers = len(inv.layers)
+    if getattr(c, "kv_lora_rank", None):  # MLA caches the latent, replicated on every TP rank
+        kv_token = layers / pp * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = max(1, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) // tp)
+        kv_token = layers / pp * 2 * kv_heads * head_dim * 2
+    activations = (batched_tokens * 2 * max(_attention_per_token(c), _mlp_per_token(c, True, False, False)
+                                            if getattr(c, "n_routed_experts", 0) else 4 * c.intermediate_size) / tp
+                   + max_num_seqs * c.vocab_size * 4 * 2)
+    info = {"kv_bytes_per_token": kv_token}
+    if n_gpus == 0:  # vLLM-CPU: weights and a fixed KV space in host memory
+        parts = {"weights": weights, "activations": activations, "KV cache": cpu_kv_bytes,
+                 "runtime": VLLM_HOST_RUNTIME}
+        info["kv_tokens"] = int(cpu_kv_bytes // kv_token)
+        return [Device("host", parts, host_bytes)], info
+    budget = utilization * gpu_bytes
+    parts = {"weights": weights / (tp * pp), "activations": activations,
+             "CUDA graphs": 0.0 if enforce_eager else 1.0 * GIB, "runtime": CUDA_RUNTIME}
+    kv = max(0.0, budget - sum(parts.values()))
+    parts["KV cache"] = kv
+    info["kv_tokens"] = int(kv // kv_token)
+    dev = Device("each gpu", parts, budget)
+    return [dev, Device("host", {"runtime": VLLM_HOST_RUNTIME}, host_bytes)], info
