@@ -7,6 +7,8 @@ tiny DeepSeek-V3 is covered by the notebook test.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsr1kit.infer import adapters
@@ -96,3 +98,37 @@ def test_parity_flags_an_adapter_vllm_does_not_serve_as_trained(llama, head_serv
 ])
 def test_verdict_table(d_peft, d_base, effect, floor, expected):
     assert adapters.verdict(d_peft, d_base, effect, floor, tol=0.1) == expected
+
+
+def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, sequences, tmp_path):
+    """R1's path: the LoRA server's samples, then the merge served by vLLM as the reference (no transformers copy)."""
+    from dsr1kit.infer.notebook import ServedEval
+    from dsr1kit.plan import GIB, Machine
+
+    samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences)
+    # the merge does nothing if the server of "the merge" is the base itself: that is a failure
+    none = adapters.served_parity(samples, attn_server.base_url, "base")
+    assert none.verdict == "no-effect" and none.status == "fail", none.lines()
+    assert none.reference == adapters.SERVED_REFERENCE and none.adapter_effect <= none.tol
+
+    # the whole choreography with a host too small for the fp32 PEFT copy: base on the LoRA server,
+    # then the merged copy served, scored against the LoRA's samples and evaluated as the adapter
+    from transformers import AutoTokenizer
+
+    p = cpu_params(served_model_name="base", adapter_mode="lora", lora_name="attn", parity_prompts=2, eval_limit=4)
+    session = ServedEval(p, tmp_path, llama["base"], Path(llama["attn"]))
+    prompts = ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl", limit=4),
+                               AutoTokenizer.from_pretrained(llama["base"]), "You are DeepSeek-R1.")
+    try:
+        session.start()  # the server's plan fits this machine; the fp32 reference is then planned for a host of 1 MiB
+        session.machine = Machine(0, 0.0, 0.001 * GIB)
+        assert session.check_parity(prompts) is None and "does not fit" in session.parity_note
+        stats = session.evaluate(prompts)
+    finally:
+        session.stop()
+    assert set(stats) == {"base", "adapter"} and session.served_forms.keys() == {"base", "adapter (merged)"}
+    parity = session.parity
+    assert parity.reference == adapters.SERVED_REFERENCE
+    assert parity.verdict == "applied", parity.lines()  # vLLM serves this q/v LoRA as its merge computes
+    assert parity.vllm_vs_peft < parity.tol < parity.adapter_effect
+    session.finish()  # applied: no failure

@@ -1,0 +1,123 @@
+"""Memory plan: counts what the loaders load, places as they place, and stops a step that cannot fit before loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from dsr1kit import params
+from dsr1kit.plan import GIB, Machine, PlanError, hari_plan, inspect_plan, serve_plan
+from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, resolve_config
+
+R1 = Path("params/r1-671b-2x8h100")
+R1_REPO = "deepseek-ai/DeepSeek-R1-0528"
+NODE_8X80 = Machine(8, 79.6 * GIB, 1800 * GIB, "8 x H100-80GB")
+
+
+@pytest.fixture(scope="module")
+def r1_inventory():
+    return inventory(resolve_config(R1_REPO))  # shipped config: no download, hub offline
+
+
+def _hari(**overrides):
+    return params.load("notebooks/20_hari_training.ipynb", [R1 / "20_hari_training.yaml"], overrides)
+
+
+def test_r1_config_resolves_offline_and_counts_671b(r1_inventory):
+    assert R1_REPO in KNOWN_CONFIGS
+    assert round(r1_inventory.parameters / 1e9, 1) == 671.0  # R1 without its multi-token-prediction layer
+    assert len(r1_inventory.layers) == 61
+    assert r1_inventory.kind_total("experts") == 58 * 256 * 3 * 2048 * 7168  # 58 MoE layers x 256 experts (97%)
+
+
+def test_plan_weights_equal_what_the_loader_holds(tiny_dir):
+    """Plan bytes per kind against the parameters of the tiny model loaded by dsr1kit.model.load."""
+    from dsr1kit.model.load import load_model
+
+    p = params.HariParams(model="tiny", quantization="none", dtype="float32", device_map="cpu")
+    loaded = load_model(p)
+    held = sum(q.numel() * q.element_size() for q in loaded.model.parameters())
+    plan = hari_plan(p, Machine(0, 0.0, 64 * GIB))
+    assert plan.devices[0].parts["weights"] == held
+
+
+def test_r1_on_one_8x80_node_fits_with_nf4_experts_and_places_like_the_loader(r1_inventory):
+    from dsr1kit.model.placement import device_map
+
+    plan = hari_plan(_hari(), NODE_8X80, r1_inventory)
+    assert plan.fits, plan.text()
+    gpus = [d for d in plan.devices if d.name.startswith("gpu")]
+    assert len(gpus) == 8
+    per_kind = bytes_per_param(2, True, True)
+    assert sum(d.parts["weights"] for d in gpus) == pytest.approx(
+        sum(r1_inventory.unit_bytes(u, per_kind) for u in r1_inventory.units))
+    dm = device_map(r1_inventory.config, 8, "contiguous", sizes=r1_inventory.layer_sizes())
+    on_7 = [u for u in r1_inventory.units if dm.get(u) == 7 or u == "lm_head"]
+    assert gpus[7].parts["weights"] == pytest.approx(sum(r1_inventory.unit_bytes(u, per_kind) for u in on_7))
+    assert 300 * GIB < sum(d.parts["weights"] for d in gpus) < 340 * GIB
+
+
+def test_r1_with_bf16_experts_does_not_fit_and_says_what_to_change(r1_inventory):
+    plan = hari_plan(_hari(quantize_experts=False), NODE_8X80, r1_inventory)
+    assert not plan.fits
+    message = plan.refusal()
+    assert "needs" in message and "GiB available" in message and "gpu 0" in message
+    assert any(a.startswith("quantize_experts: true") and ": fits" in a for a in plan.advice), plan.advice
+    with pytest.raises(PlanError) as err:
+        plan.check()
+    assert "What to change" in str(err.value)
+
+
+def test_longer_sequences_need_more_activation_memory(r1_inventory):
+    short = hari_plan(_hari(max_len=2048), NODE_8X80, r1_inventory)
+    long = hari_plan(_hari(max_len=16384), NODE_8X80, r1_inventory)
+    assert long.peak_gpu_bytes > short.peak_gpu_bytes
+
+
+def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
+    p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
+    ok = serve_plan(p, R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
+    assert ok.fits, ok.text()
+    assert 35 * GIB < ok.devices[0].parts["weights"] < 45 * GIB  # ~640 GiB of FP8 over 16 GPUs
+    too_long = serve_plan(p.model_copy(update={"max_model_len": 10_000_000}), R1_REPO,
+                          Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
+    assert not too_long.fits
+    assert "fewer than one sequence of max_model_len" in too_long.refusal()
+    assert any(a.startswith("max_model_len:") for a in too_long.advice)
+
+
+def test_inspection_plan_on_this_cpu_refuses_r1(r1_inventory):
+    p = params.InspectParams(base_model=R1_REPO, quantization="nf4", quantize_experts=True, max_len=4096)
+    plan = inspect_plan(p, R1_REPO, Machine(0, 0.0, 20 * GIB), r1_inventory)
+    assert not plan.fits and plan.devices[0].name == "host"
+
+
+def test_plan_cli_prints_the_r1_table_and_exit_status(tmp_path):
+    ok = run_cli("plan", str(R1 / "20_hari_training.yaml"), "--gpus", "8", "--gpu-gib", "79.6", "--host-gib", "1800")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "memory plan, HARI load + step" in ok.stdout and "gpu 7" in ok.stdout
+    refused = run_cli("plan", str(R1 / "20_hari_training.yaml"), "--gpus", "0", "--host-gib", "20")
+    assert refused.returncode == 3
+    assert "does not fit" in refused.stdout and "What to change" in refused.stdout
+    assert "run on a node with 8 GPU(s)" in refused.stdout
+
+
+def test_r1_training_on_this_node_stops_before_any_loading(tmp_path):
+    """R1's real params on this CPU machine: the run fails at the plan, with the plan in the message.
+
+    The hub is offline and R1's weights and tokenizer are not in the cache, so any attempt to load
+    would fail with another error: this one proves nothing was loaded first.
+    """
+    run_dir = tmp_path / "r1-on-cpu"
+    proc = run_cli("run", "notebooks/20_hari_training.ipynb", "-f", str(R1 / "20_hari_training.yaml"),
+                   "--run-dir", str(run_dir), "-q")
+    assert proc.returncode == 1
+    assert "the memory plan for HARI load + step does not fit" in proc.stderr
+    assert "What to change" in proc.stderr and "host needs" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["memory_plan"]["fits"] is False
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+    assert not (run_dir / "metrics.jsonl").exists()
