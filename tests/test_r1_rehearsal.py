@@ -78,6 +78,9 @@ def test_hari_on_r1_format_trains_the_reasoning(hari):
     assert (used["model"], used["quantization"], used["quantize_experts"], used["lambda_kl"]) == (
         REPO_ID, "nf4", True, 0.9)
     assert (hari / "adapter" / "adapter_model.safetensors").is_file()
+    plan = s["memory_plan"]  # the report's plan, computed from R1-format config before loading
+    assert plan["fits"] and plan["facts"]["weights"] == "bfloat16, linears nf4, experts nf4"
+    assert [r["device"] for r in plan["rows"]] == ["host"]
 
 
 def test_serving_and_eval_on_r1_format(runs, hari):
@@ -96,6 +99,7 @@ def test_serving_and_eval_on_r1_format(runs, hari):
     for model in ("base", "adapter"):
         assert sum(r[model] for r in s["answer_rules"]) == n  # every answer read by a rule or unparseable
     assert "adapter" in s["headline"]
+    assert s["memory_plan"]["step"] == "vLLM serving" and s["memory_plan"]["fits"]
 
 
 def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):
@@ -111,3 +115,4 @@ def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     load = _summary(run_dir)["base_load"]
     assert (load["quantization"], load["quantize_experts"]) == ("nf4", True)
+    assert _summary(run_dir)["memory_plan"]["inspect"]["fits"]

@@ -83,9 +83,8 @@ class ServedEval:
 
     def check_parity(self, prompts):
         """PEFT vs vLLM logprobs for a served LoRA; not 'applied' + merge_if_ignored → base restarted without LoRA."""
-        from . import adapters
-
         from ..plan import reference_plan
+        from . import adapters
 
         if not self.serve_lora:
             return None
