@@ -37,13 +37,9 @@ def base_model_name(p, adapter: Adapter) -> str:
 
 def memory_plans(p, adapter: Adapter) -> dict[str, Any]:
     """The inspection's load + probes, and (with merge_out) the fp32 logits check of the merge, on this node."""
-    from ..plan import Machine, inspect_plan, reference_plan
+    from ..plan import Machine, inspection_plans
 
-    base, machine = base_model_name(p, adapter), Machine.detect()
-    plans = {"inspect": inspect_plan(p, base, machine)}
-    if p.merge_out:
-        plans["merge check"] = reference_plan(base, machine, p.max_len, "merged-checkpoint logits check (fp32, host)")
-    return plans
+    return inspection_plans(p, base_model_name(p, adapter), Machine.detect())
 
 
 def load_adapted(p, adapter: Adapter, plan=None):

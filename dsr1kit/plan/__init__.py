@@ -8,22 +8,22 @@ the table and what to change. ``dsr1kit plan PARAMS.yaml`` prints the same
 plan without running anything (``--gpus/--gpu-gib/--host-gib`` for another
 machine than this one).
 
-Steps: ``hari`` (notebook 20: load + one HARI step), ``inspect`` (notebook
-30: load + probe forwards), ``merge-check`` (the merged checkpoint's logits
-in fp32 on the host), ``serve`` (notebook 10: vLLM weights, activations and
-KV cache), ``parity-reference`` (the PEFT model in fp32 on the host that the
-parity check scores with).
+Steps: ``hari_plan`` (notebook 20: load + one HARI step), ``inspection_plans``
+(notebook 30: load + probe forwards, and the merged checkpoint's logits in
+fp32 on the host), ``serve_plan`` (notebook 10: vLLM weights, activations and
+KV cache), ``reference_plan`` (a model in fp32 on the host, e.g. the PEFT copy
+the parity check scores with).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 from .inventory import Inventory, inventory, resolve_config
 from .steps import GIB, H100_BYTES, Device, lora_parameters, reference_devices, serving_devices, training_devices
 
-__all__ = ["Machine", "Plan", "PlanError", "hari_plan", "inspect_plan", "reference_plan", "serve_plan",
+__all__ = ["Machine", "Plan", "PlanError", "hari_plan", "inspect_plan", "inspection_plans", "reference_plan",
+           "serve_plan",
            "plan_for_params", "Device", "GIB"]
 
 
@@ -46,14 +46,13 @@ class Machine:
 
     @classmethod
     def detect(cls) -> "Machine":
-        """This node as torch sees it; DSR1KIT_PLAN_HOST_GIB pretends another host size (what-if, tests)."""
+        """This node as torch sees it (GPU count and size) and the host memory available now."""
         import psutil
         import torch
 
         gpus = torch.cuda.device_count()
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if gpus else 0.0
-        host = float(os.environ.get("DSR1KIT_PLAN_HOST_GIB", 0)) * GIB or psutil.virtual_memory().available
-        return cls(gpus, float(gpu_bytes), float(host))
+        return cls(gpus, float(gpu_bytes), float(psutil.virtual_memory().available))
 
     def with_overrides(self, gpus: int | None = None, gpu_gib: float | None = None,
                        host_gib: float | None = None) -> "Machine":
@@ -96,11 +95,6 @@ class Plan:
                        fits="yes" if d.fits else "NO")
             out.append(row)
         return out
-
-    def frame(self):
-        import pandas as pd
-
-        return pd.DataFrame(self.rows())
 
     def text(self) -> str:
         rows = self.rows()
@@ -153,9 +147,10 @@ def hari_plan_for_config(config, machine: Machine, **hari_params) -> Plan:
     import copy
 
     from ..params import HariParams
-    from .inventory import _strip
+    from .inventory import strip_quantization
 
-    return hari_plan(HariParams(model="(config)", **hari_params), machine, inventory(_strip(copy.deepcopy(config))),
+    return hari_plan(HariParams(model="(config)", **hari_params), machine,
+                     inventory(strip_quantization(copy.deepcopy(config))),
                      advise=False)
 
 
@@ -301,16 +296,22 @@ def _serving_advice(p, devices: list[Device], info: dict) -> list[str]:
     return out
 
 
+def inspection_plans(p, base: str, machine: Machine) -> dict[str, Plan]:
+    """Notebook 30's load + probes, and (with merge_out) the fp32 logits check of the merged checkpoint."""
+    inv = _inv(base)
+    plans = {"inspect": inspect_plan(p, base, machine, inv)}
+    if p.merge_out:
+        plans["merge check"] = reference_plan(base, machine, p.max_len, "merged-checkpoint logits check (fp32, host)",
+                                              inv)
+    return plans
+
+
 def plan_for_params(notebook: str, p, machine: Machine) -> list[Plan]:
     """Every plan a notebook's run makes, for `dsr1kit plan` and notebook 00's look ahead."""
     if notebook == "20_hari_training":
         return [hari_plan(p, machine)]
     if notebook == "30_adapter_inspection":
-        base = p.base_model or "tiny"
-        plans = [inspect_plan(p, base, machine)]
-        if p.merge_out:
-            plans.append(reference_plan(base, machine, p.max_len, "merged-checkpoint logits check (fp32, host)"))
-        return plans
+        return list(inspection_plans(p, p.base_model or "tiny", machine).values())
     if notebook == "10_vllm_inference":
         plans = [serve_plan(p, p.model, machine)]
         if p.lora_adapter and p.adapter_mode == "lora":

@@ -73,13 +73,13 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     path = resolve_model(model)
     kwargs = dict(trust_remote_code=trust_remote_code, token=os.environ.get("HF_TOKEN"))
     try:
-        return _strip(AutoConfig.from_pretrained(path, local_files_only=True, **kwargs))
+        return strip_quantization(AutoConfig.from_pretrained(path, local_files_only=True, **kwargs))
     except (OSError, ValueError):
         pass
     if model in KNOWN_CONFIGS:  # plan R1 before downloading 700 GB (or with the hub offline)
         return config_from_file(Path(__file__).with_name("known_configs") / KNOWN_CONFIGS[model])
     try:
-        return _strip(AutoConfig.from_pretrained(path, **kwargs))
+        return strip_quantization(AutoConfig.from_pretrained(path, **kwargs))
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read the config of {model!r} to plan memory ({err}); point `model` at a "
                          f"folder with config.json or make the hub reachable") from err
@@ -90,11 +90,12 @@ def config_from_file(path: str | Path):
 
     raw = json.loads(Path(path).read_text())
     model_type = raw.pop("model_type")
-    return _strip(AutoConfig.for_model(model_type, **raw), quantization=raw.get("quantization_config"))
+    return strip_quantization(AutoConfig.for_model(model_type, **raw), quantization=raw.get("quantization_config"))
 
 
-def _strip(config, quantization: dict | None = None):
-    """Keep the checkpoint's quantization as a plain fact; the skeleton is built without it."""
+def strip_quantization(config, quantization: dict | None = None):
+    """Keep the checkpoint's quantization as a plain fact (``checkpoint_quantization``); the skeleton is built
+    without it."""
     quant = quantization or getattr(config, "quantization_config", None)
     if quant is not None and not isinstance(quant, dict):
         quant = quant.to_dict()
