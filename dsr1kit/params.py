@@ -125,6 +125,8 @@ class ClusterCheckParams(NotebookParams):
     ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0 = not checked")
     rank_results_dir: str = Field("", description="Folder where per-rank check rows were written by srun; "
                                   "empty = run `local_ranks` processes here")
+    plan_files: list[str] = Field([], description="Params files of the steps this allocation will run "
+                                  "('A.yaml' or layered 'A.yaml+B.yaml'); each is memory-planned against this node")
 
 
 class InferenceParams(NotebookParams):

@@ -121,3 +121,17 @@ def test_r1_training_on_this_node_stops_before_any_loading(tmp_path):
     assert summary["memory_plan"]["fits"] is False
     assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_cluster_check_rows_fail_r1s_steps_on_this_node_with_the_fix():
+    """Notebook 00's look-ahead: R1's params files planned against a CPU node fail, each with what to change."""
+    from dsr1kit.cluster import checks
+    from dsr1kit.plan import plans_for_files
+
+    specs = [str(R1 / "20_hari_training.yaml"),
+             f"{R1 / '20_hari_training.yaml'}+params/r1-rehearsal/20_hari_training.yaml"]
+    named = plans_for_files(specs, Machine(0, 0.0, 20 * GIB))
+    rows = checks.plan_rows(named, "n1")
+    assert [r.status for r in rows] == ["fail", "pass"]  # R1 itself does not fit; the rehearsal's size does
+    assert rows[0].name == "memory plan 20_hari_training: HARI load + step"
+    assert "run on a node with 8 GPU(s)" in rows[0].fix and rows[0].measured.startswith("host ")

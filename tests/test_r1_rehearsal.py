@@ -1,5 +1,6 @@
 """R1 dress rehearsal: notebooks 00, 20, 10 and 30 with DeepSeek-R1's params apart from size, on the tiny R1-style
-model stored as R1 ships, by repo id, hub offline (see conftest).
+model stored as R1 ships, by repo id, hub offline (see conftest). 20, 10 and 30 go through their sbatch scripts
+on the test Slurm as R1's workflow submits them (20 and 10 on two nodes), the rehearsal file layered with -f.
 
 vLLM's CPU backend cannot run FP8 block-scaled linears without AMX tiles (this CI machine has none), so on
 such a CPU notebook 10 serves a bf16 copy dequantized from the FP8 checkpoint, and the merged adapter the
@@ -9,6 +10,8 @@ same way; the served-form line says so and this test checks it says so. On GPUs 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,9 +46,24 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("r1-runs")
 
 
+def _layered(notebook: str) -> list[str]:
+    """R1's params file, then the rehearsal's on top (passed through the sbatch script to `dsr1kit run`)."""
+    return [str(R1 / f"{notebook}.yaml"), "-f", str(REHEARSAL / f"{notebook}.yaml")]
+
+
 @pytest.fixture(scope="module")
-def hari(runs):
-    return _run(runs, "20_hari_training")
+def hari(slurm, runs, tmp_path_factory):
+    """slurm/hari_train.sbatch on two nodes, one notebook per node, as R1's 2-node recipe runs."""
+    tmp = tmp_path_factory.mktemp("r1-hari-job")
+    run_dir = runs / "20261202T000000Z-20_hari_training-r1rehe"
+    env = {"DSR1KIT_RUN_DIR": str(run_dir), "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+           "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1"}
+    job_id = slurm.sbatch(f"--output={tmp}/%x-%j.out", "-N", "2", "--cpus-per-task=2", "slurm/hari_train.sbatch",
+                          *_layered("20_hari_training"), env=env, cwd=ROOT)
+    job = slurm.wait_job(job_id, timeout=540)
+    assert job.state == "COMPLETED", job.output[-4000:]
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    return run_dir
 
 
 NOTEBOOKS = ["00_cluster_check", "10_vllm_inference", "20_hari_training", "30_adapter_inspection"]
@@ -65,8 +83,12 @@ def test_rehearsal_params_change_only_what_size_forces(notebook):
         assert REPO_ID in (rehearsal.get("model"), rehearsal.get("base_model"))
 
 
-def test_cluster_check_with_r1_preflight(runs):
-    _run(runs, "00_cluster_check")
+def test_cluster_check_with_r1_preflight_plans_r1s_steps(runs):
+    s = _summary(_run(runs, "00_cluster_check"))
+    planned = [r for r in s["checks"] if r["name"].startswith("memory plan")]
+    assert [r["name"].split(":")[0] for r in planned] == [
+        "memory plan 10_vllm_inference", "memory plan 20_hari_training", "memory plan 30_adapter_inspection"]
+    assert all(r["status"] == "pass" for r in planned) and len(s["memory_plans"]) == 3
 
 
 def test_hari_on_r1_format_trains_the_reasoning(hari):
@@ -77,14 +99,29 @@ def test_hari_on_r1_format_trains_the_reasoning(hari):
     used = yaml.safe_load((hari / "params.yaml").read_text())
     assert (used["model"], used["quantization"], used["quantize_experts"], used["lambda_kl"]) == (
         REPO_ID, "nf4", True, 0.9)
+    assert json.loads((hari / "run_info.json").read_text())["world_size"] == 2
     assert (hari / "adapter" / "adapter_model.safetensors").is_file()
     plan = s["memory_plan"]  # the report's plan, computed from R1-format config before loading
     assert plan["fits"] and plan["facts"]["weights"] == "bfloat16, linears nf4, experts nf4"
     assert [r["device"] for r in plan["rows"]] == ["host"]
 
 
-def test_serving_and_eval_on_r1_format(runs, hari):
-    run_dir = _run(runs, "10_vllm_inference", "-p", "lora_adapter", str(hari / "adapter"))
+def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
+    """slurm/vllm_inference.sbatch on two nodes: Ray up on both, the notebook and its server on the first."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rr"))  # short: Ray socket paths
+    env = {"DSR1KIT_RUNS_DIR": str(tmp_path / "runs"), "DSR1KIT_NODE_IPS": "127.0.0.2 127.0.0.3",
+           "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NVME_DIR": str(tmp_path / "nvme"),
+           "OMP_NUM_THREADS": "1", "DSR1KIT_RAY_STOP_ALL": "0", "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
+           "RAY_TMP_ROOT": str(ray_tmp), "DSR1KIT_EXPECTED_GPUS": "0"}  # emulated GPUs: Ray sees none
+    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "-N", "2", "--cpus-per-task=2",
+                          "slurm/vllm_inference.sbatch", *_layered("10_vllm_inference"),
+                          "-p", "lora_adapter", str(hari / "adapter"), env=env, cwd=ROOT)
+    job = slurm.wait_job(job_id, timeout=540)
+    assert job.state == "COMPLETED", job.output[-4000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    assert "ray stopped on n1" in job.output and "ray stopped on n2" in job.output
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     s = _summary(run_dir)
     prompt = s["served_prompt_example"]
     assert prompt.startswith(templates.R1_BOS + "You are DeepSeek-R1." + templates.R1_USER)

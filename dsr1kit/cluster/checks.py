@@ -204,6 +204,15 @@ def verdict(rows: list[Row]) -> tuple[str, list[str]]:
     return status, lines
 
 
+def plan_rows(named_plans, host: str) -> list[Row]:
+    """One check per memory plan (dsr1kit.plan) of a step this allocation will run: fits here or not, and the fix."""
+    rows = []
+    for name, plan in named_plans:
+        fix = "" if plan.fits else "; ".join(plan.advice) or "; ".join(plan.problems())
+        rows.append(Row(f"memory plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host))
+    return rows
+
+
 def raise_if_failed(rows: list[Row]) -> None:
     failed = [r for r in rows if r.status == FAIL]
     if failed:

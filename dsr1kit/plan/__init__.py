@@ -23,7 +23,7 @@ from .inventory import Inventory, inventory, resolve_config
 from .steps import GIB, H100_BYTES, Device, lora_parameters, reference_devices, serving_devices, training_devices
 
 __all__ = ["Machine", "Plan", "PlanError", "hari_plan", "inspect_plan", "inspection_plans", "reference_plan",
-           "serve_plan",
+           "serve_plan", "plans_for_files",
            "plan_for_params", "Device", "GIB"]
 
 
@@ -104,6 +104,11 @@ class Plan:
         lines += ["  ".join(str(r[c]).rjust(width[c]) for c in cols) for r in rows]
         facts = "; ".join(f"{k} {v}" for k, v in self.facts.items())
         return f"memory plan, {self.step} (GiB): {facts}\n" + "\n".join(lines)
+
+    def busiest(self) -> str:
+        """The device closest to (or furthest over) its memory, as 'gpu 7 52.9 of 79.6 GiB'."""
+        d = max(self.devices, key=lambda d: d.total / max(d.budget, 1))
+        return f"{d.name} {d.total / GIB:.1f} of {d.budget / GIB:.1f} GiB"
 
     def problems(self) -> list[str]:
         out = [f"{d.name} needs {d.total / GIB:.1f} GiB, {d.budget / GIB:.1f} GiB available"
@@ -276,8 +281,7 @@ def _training_advice(p, machine: Machine, inv: Inventory, planner) -> list[str]:
 
 
 def _busiest(plan: Plan) -> str:
-    d = max(plan.devices, key=lambda d: d.total / max(d.budget, 1))
-    return f"{d.name} {d.total / GIB:.1f} of {d.budget / GIB:.1f} GiB"
+    return plan.busiest()
 
 
 def _serving_advice(p, devices: list[Device], info: dict) -> list[str]:
@@ -318,3 +322,23 @@ def plan_for_params(notebook: str, p, machine: Machine) -> list[Plan]:
             plans.append(reference_plan(p.model, machine, 512, "parity reference (PEFT, fp32, host)"))
         return plans
     return []
+
+
+def plans_for_files(specs: list[str], machine: Machine) -> list[tuple[str, Plan]]:
+    """(name, plan) for each params spec, 'STEP.yaml' or layered 'R1.yaml+REHEARSAL.yaml', on ``machine``.
+
+    The notebook is the first file's name (e.g. 20_hari_training.yaml), as for ``dsr1kit plan``; notebook
+    00 calls this to plan the steps an allocation is about to run against the GPUs it found.
+    """
+    from pathlib import Path
+
+    from .. import params
+    from ..paths import resolve
+
+    out = []
+    for spec in specs:
+        files = [resolve(f.strip()) for f in spec.split("+")]
+        notebook = Path(files[0]).stem
+        for plan in plan_for_params(notebook, params.load(notebook, files), machine):
+            out.append((f"{notebook}: {plan.step}", plan))
+    return out
