@@ -137,6 +137,8 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
         assert sum(r[model] for r in s["answer_rules"]) == n  # every answer read by a rule or unparseable
     assert "adapter" in s["headline"]
     assert s["memory_plan"]["step"] == "vLLM serving" and s["memory_plan"]["fits"]
+    assert s["memory_plan"]["facts"]["weights"] == (
+        "FP8 blocks as stored" if fp8_blocks_servable() else "bfloat16 copy of the FP8 checkpoint")
 
 
 def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):

@@ -57,8 +57,9 @@ class ServedEval:
     def memory_plan(self):
         """vLLM's share per GPU (or host) for this model; the notebook shows it, start() refuses a misfit."""
         from ..plan import serve_plan
+        from .serve_form import fp8_blocks_servable
 
-        return serve_plan(self.p, self.model_path, self.machine)
+        return serve_plan(self.p, self.model_path, self.machine, fp8_blocks=fp8_blocks_servable())
 
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
         from . import adapters

@@ -204,9 +204,16 @@ def reference_plan(model: str, machine: Machine, tokens: int, step: str, inv: In
                  "machine": machine.describe()})
 
 
-def serve_plan(p, model: str, machine: Machine, inv: Inventory | None = None) -> Plan:
-    """Notebook 10: vLLM's share per GPU (TP x PP, replicated over DP) and whether one sequence's KV fits."""
+def serve_plan(p, model: str, machine: Machine, inv: Inventory | None = None, fp8_blocks: bool = True) -> Plan:
+    """Notebook 10: vLLM's share per GPU (TP x PP, replicated over DP) and whether one sequence's KV fits.
+
+    ``fp8_blocks=False``: this machine cannot run FP8 block-scaled linears, so an FP8 checkpoint is served as
+    a bf16 copy (``dsr1kit.infer.serve_form``) and planned as one.
+    """
     inv = inv or _inv(model)
+    bf16_copy = not fp8_blocks and _fp8(inv)
+    if bf16_copy:
+        p = p.model_copy(update={"dtype": "bfloat16"})
     n = p.tensor_parallel_size * p.pipeline_parallel_size
     cpu_kv = float(p.server_env.get("VLLM_CPU_KVCACHE_SPACE", 4)) * GIB
     devices, info = serving_devices(
@@ -215,7 +222,8 @@ def serve_plan(p, model: str, machine: Machine, inv: Inventory | None = None) ->
         pp=p.pipeline_parallel_size, max_model_len=p.max_model_len, max_num_seqs=p.max_num_seqs,
         batched_tokens=p.max_num_batched_tokens, enforce_eager=p.enforce_eager, cpu_kv_bytes=cpu_kv)
     facts = {"model": f"{_count(inv.parameters)} parameters",
-             "weights": "FP8 blocks as stored" if p.dtype == "auto" and _fp8(inv) else p.dtype,
+             "weights": "FP8 blocks as stored" if p.dtype == "auto" and _fp8(inv)
+             else "bfloat16 copy of the FP8 checkpoint" if bf16_copy else p.dtype,
              "GPUs": f"TP {p.tensor_parallel_size} x PP {p.pipeline_parallel_size} x DP {p.data_parallel_size}"
              if machine.gpus else "none (vLLM-CPU)",
              "KV": f"{info['kv_bytes_per_token'] / 1024:.1f} KiB/token, room for {info['kv_tokens']:,} tokens",
