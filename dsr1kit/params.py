@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SECRET_NAME = re.compile(r"(token|secret|password|passwd|api_?key|credential)", re.I)
 SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,})$")
@@ -40,7 +40,7 @@ class NotebookParams(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     notebook: str = Field("", exclude=True, repr=False)
 
-    run_dir: str = Field("", description="Run folder; set by `dsr1kit run`, a fresh one when empty")
+    run_dir: str = Field("", description="Run folder; set by `dsr1kit run`; '': a fresh one under runs/")
     seed: int = Field(0, description="Seed for every random choice in the run")
 
     @classmethod
@@ -107,32 +107,43 @@ def _type_name(annotation: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# One model per notebook.
+# One model per notebook. Defaults are the tiny CPU set (the demo and tests); a
+# parameter file holds only what differs, and each notebook's parameters cell
+# is rendered from these fields (dsr1kit.parameters_cell), so a default and its
+# help live here alone.
+
+
+def section(title: str) -> dict[str, Any]:
+    """Field extra that starts a titled group in the rendered parameters cell."""
+    return {"section": title}
 
 
 class ClusterCheckParams(NotebookParams):
     notebook: str = Field("00_cluster_check", exclude=True, repr=False)
     expected_nodes: int = Field(1, ge=1, description="Nodes the job should span")
-    expected_gpus_per_node: int = Field(0, ge=0, description="GPUs each node must see; 0 = CPU run")
-    shm_min_free_gib: float = Field(1.0, ge=0, description="/dev/shm free space below this fails")
-    scratch_dir: str = Field("", description="Node-local scratch (NVMe); empty = $NVME_DIR, $TMPDIR or /tmp")
-    scratch_min_free_gib: float = Field(10.0, ge=0, description="Scratch free space below this warns")
-    allreduce_sizes_mib: list[float] = Field([1.0, 16.0, 64.0], description="All-reduce message sizes")
-    allreduce_timeout_s: float = Field(120.0, gt=0, description="Give up on ranks that have not joined after this")
+    expected_gpus_per_node: int = Field(0, ge=0, description="GPUs each node must see; 0: CPU run")
+    shm_min_free_gib: float = Field(0.25, ge=0, description="/dev/shm free space below this fails, GiB")
+    scratch_dir: str = Field("", description="Node-local scratch (NVMe); '': $NVME_DIR, $TMPDIR or /tmp")
+    scratch_min_free_gib: float = Field(1.0, ge=0, description="Scratch free space below this warns, GiB")
+    allreduce_sizes_mib: list[float] = Field([1.0, 4.0], description="All-reduce message sizes, MiB")
+    allreduce_timeout_s: float = Field(120.0, gt=0, description="Ranks that have not joined by then are reported missing")
     local_ranks: int = Field(2, ge=1, description="Processes for the all-reduce when run outside Slurm")
-    expected_busbw_gbps: float = Field(0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0 = no target")
-    ray_address: str = Field("", description="Ray head to inspect (host:port); empty = no Ray check")
-    ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0 = not checked")
-    rank_results_dir: str = Field("", description="Folder where per-rank check rows were written by srun; "
-                                  "empty = run `local_ranks` processes here")
-    plan_files: list[str] = Field([], description="Params files of the steps this allocation will run "
-                                  "('A.yaml' or layered 'A.yaml+B.yaml'); each is memory-planned against this node")
+    expected_busbw_gbps: float = Field(0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0: no target")
+    ray_address: str = Field("", description="Ray head to inspect (host:port); '': no Ray check")
+    ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0: not checked")
+    rank_results_dir: str = Field("", description="Folder of the per-rank rows written by srun; "
+                                  "'': run `local_ranks` processes here")
+    plan_files: list[str] = Field(
+        ["params/tiny/10_vllm_inference.yaml", "params/tiny/20_hari_training.yaml",
+         "params/tiny/30_adapter_inspection.yaml"],
+        description="Params files of the steps to come ('A.yaml' or layered 'A.yaml+B.yaml'), "
+                    "each memory-planned against this node")
 
 
 class InferenceParams(NotebookParams):
     notebook: str = Field("10_vllm_inference", exclude=True, repr=False)
-    # -- model and server
-    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
+    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model",
+                       json_schema_extra=section("model and server"))
     served_model_name: str = Field("model", description="Name the server answers to")
     host: str = Field("127.0.0.1", description="Address the server binds to and the client calls")
     port: int = Field(0, ge=0, le=65535, description="Server port; 0: a free one")
@@ -142,36 +153,39 @@ class InferenceParams(NotebookParams):
     enable_expert_parallel: bool = Field(False, description="Spread MoE experts over the GPUs instead of slicing them")
     distributed_executor_backend: Literal["mp", "ray", "uni"] = Field(
         "mp", description="ray across nodes (the sbatch brings Ray up); mp on one node and on CPU")
-    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Start at 0.90, raise once stable")
-    max_num_seqs: int = Field(64, ge=1, description="Raise step by step once stable")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="Tokens per engine step; raise once stable")
-    max_model_len: int = Field(4096, ge=16, description="Prompts longer than this minus max_new_tokens are excluded")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights dtype; auto: the checkpoint's")
-    enforce_eager: bool = Field(False, description="Skip graph capture/compile: faster start, slower decode")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Start at 0.90, raise once stable; "
+                                          "on CPU the share of host memory claimed at start")
+    max_num_seqs: int = Field(16, ge=1, description="Sequences per engine step; raise step by step once stable")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step; raise once stable")
+    max_model_len: int = Field(512, ge=16, description="Context; prompts longer than this minus max_new_tokens "
+                                                       "are excluded and counted")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights dtype; auto: the checkpoint's (R1: FP8)")
+    enforce_eager: bool = Field(True, description="Skip graph capture/compile: faster start, slower decode")
     extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
-    server_env: dict[str, str] = Field({}, description="Extra environment for the server, e.g. VLLM_CPU_KVCACHE_SPACE")
-    ready_timeout_s: float = Field(600.0, gt=0, description="Wait this long for /health and a first completion")
-    # -- adapter
-    lora_adapter: str = Field("", description="Adapter dir to serve and compare with the base; empty = base only; "
-                                              "'latest' = newest HARI run's adapter beside this run")
+    server_env: dict[str, str] = Field({"VLLM_CPU_KVCACHE_SPACE": "1"},
+                                       description="Extra environment for the server (here: GiB of KV cache on CPU)")
+    ready_timeout_s: float = Field(300.0, gt=0, description="Wait this long for /health and a first completion, s")
+    lora_adapter: str = Field("latest", description="Adapter folder to compare with the base; 'latest': newest "
+                                                    "HARI run's adapter beside this run; '': base only",
+                              json_schema_extra=section("adapter"))
     lora_name: str = Field("adapter", description="Name the adapter is served under")
     max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank; must be at least the adapter's r")
     adapter_mode: Literal["lora", "merge"] = Field(
-        "lora", description="lora = serve with --enable-lora and check parity; merge = merge into a copy of the "
-                            "base and serve that (MoE on CPU, or an adapter vLLM ignores)")
-    merge_if_ignored: bool = Field(True, description="When the parity check says vLLM ignores the adapter, "
-                                                     "merge it and evaluate the merged copy instead")
+        "merge", description="lora: --enable-lora + parity check; merge: serve a merged copy of the base "
+                             "(MoE on CPU, or an adapter vLLM ignores)")
+    merge_if_ignored: bool = Field(True, description="Parity not 'applied' -> evaluate a merged copy instead")
     parity_prompts: int = Field(3, ge=1, description="Prompts compared token by token, PEFT vs vLLM")
     parity_tol: float = Field(0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)")
-    # -- evaluation
-    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name)")
+    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name)",
+                              json_schema_extra=section("evaluation"))
     eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0: all")
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
-    max_new_tokens: int = Field(256, ge=1, description="Generated tokens per answer")
-    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    max_new_tokens: int = Field(48, ge=1, description="Generated tokens per answer")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0: greedy")
     concurrency: int = Field(0, ge=0, description="Requests in flight; 0: 2 x max_num_seqs x data_parallel_size, "
                                                   "so the engine's batch stays full")
-    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout")
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout, s")
     retries: int = Field(3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)")
 
     @property
@@ -183,57 +197,77 @@ class InferenceParams(NotebookParams):
 
 class HariParams(NotebookParams):
     notebook: str = Field("20_hari_training", exclude=True, repr=False)
-    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model")
+    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model",
+                       json_schema_extra=section("model and data"))
     dataset: str = Field("data/sft_tiny.jsonl", description="Dataset plan: repo[:limit][@split+split],… or JSON list")
-    sample_limit: int = Field(0, ge=0, description="Global cap on samples; 0 = all")
+    sample_limit: int = Field(320, ge=0, description="Global cap on samples; 0: all (tiny: rows 320-359 stay "
+                                                     "held out for notebook 30's probes)")
     splits: list[str] = Field(["train", "validation", "test"], description="Default splits per source")
-    system_prompt: str = "You are DeepSeek-R1."
-    max_len: int = Field(4096, ge=16, description="Tokens per sample; longer ones are truncated and counted")
-    quantization: Literal["nf4", "none"] = Field("nf4", description="nf4 = QLoRA (double quant, bf16 compute)")
+    system_prompt: str = Field("You are DeepSeek-R1.", description="System prompt of every training chat "
+                                                                   "(the same one evaluation uses)")
+    max_len: int = Field(256, ge=16, description="Tokens per sample; longer ones are truncated and counted")
+    quantization: Literal["nf4", "none"] = Field("none", description="nf4: QLoRA (double quant, bf16 compute); "
+                                                                     "none: the plain model")
     quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts (needed for R1)")
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    device_map: Literal["contiguous", "round_robin", "cpu"] = Field("contiguous", description="Layer placement on GPUs")
-    max_memory_gib_per_gpu: float = Field(78.0, gt=0, description="78 on 80 GB GPUs")
-    cpu_max_memory_gib: float = Field(300.0, gt=0)
-    offload_dir: str = Field("", description="Per-rank offload folder root (node-local NVMe); empty = none")
-    lora_r: int = Field(4, ge=1)
-    lora_alpha: float = Field(8.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: list[str] = Field([], description="Module names; empty = auto-detect in the last layer")
+    dtype: Literal["bfloat16", "float32"] = Field("float32", description="Compute dtype; on CPU fp32 is faster "
+                                                                         "than emulated bf16")
+    device_map: Literal["contiguous", "round_robin", "cpu"] = Field(
+        "cpu", description="Layer placement: contiguous blocks per GPU, round_robin (layer i on GPU i % n), or cpu")
+    max_memory_gib_per_gpu: float = Field(78.0, gt=0, description="GiB per GPU the placement may fill "
+                                                                  "(78 on 80 GB GPUs)")
+    cpu_max_memory_gib: float = Field(300.0, gt=0, description="GiB of host memory the placement may fill")
+    offload_dir: str = Field("", description="Per-rank offload folder root (node-local NVMe); '': none")
+    lora_r: int = Field(4, ge=1, description="LoRA rank", json_schema_extra=section("LoRA"))
+    lora_alpha: float = Field(8.0, gt=0, description="LoRA scale numerator (the update is scaled by alpha / r)")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input; 0 keeps the fast path exact")
+    lora_targets: list[str] = Field([], description="Module names; []: auto-detect the attention projections")
     lora_last_k_layers: int = Field(1, ge=1, description="Adapt the last K decoder layers")
-    lr: float = Field(5e-5, gt=0)
-    batch_size: int = Field(1, ge=1, description="Per rank")
-    grad_accum: int = Field(8, ge=1)
-    epochs: int = Field(1, ge=1)
-    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = epochs decide")
-    warmup_ratio: float = Field(0.03, ge=0, le=1)
-    clip_norm: float = Field(1.0, gt=0)
-    log_every: int = Field(10, ge=1, description="Optimizer steps between metric lines")
-    save_every: int = Field(100, ge=1, description="Optimizer steps between checkpoints")
-    lambda_kl: float = Field(0.9, ge=0, description="0 disables the KL term; 0.05-0.2 is the stable start")
-    kl_temperature: float = Field(1.5, gt=0)
-    kl_tokens: Literal["all", "assistant"] = "all"
-    hari_impl: Literal["fast", "naive"] = "fast"
-    loss_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the lm_head/CE/KL pass")
-    grad_checkpointing: bool = False
-    trust_remote_code: bool = False
+    lr: float = Field(0.01, gt=0, description="Peak learning rate (R1: 5e-5; a 3.7M model needs a bigger step)",
+                      json_schema_extra=section("optimisation"))
+    batch_size: int = Field(4, ge=1, description="Samples per micro-batch, per rank")
+    grad_accum: int = Field(2, ge=1, description="Micro-batches per optimizer step")
+    epochs: int = Field(1, ge=1, description="Passes over the data")
+    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0: epochs decide")
+    warmup_ratio: float = Field(0.1, ge=0, le=1, description="Share of steps with a linear warm-up")
+    clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip")
+    log_every: int = Field(3, ge=1, description="Optimizer steps between metric lines")
+    save_every: int = Field(15, ge=1, description="Optimizer steps between checkpoints (and on SIGUSR1)")
+    lambda_kl: float = Field(0.1, ge=0, description="Weight of the KL term; 0 disables it; 0.05-0.2 is the "
+                                                    "stable start", json_schema_extra=section("HARI"))
+    kl_temperature: float = Field(1.5, gt=0, description="Softmax temperature T of the KL term (scaled by T²)")
+    kl_tokens: Literal["all", "assistant"] = Field("all", description="Tokens the KL term covers")
+    hari_impl: Literal["fast", "naive"] = Field("fast", description="fast: one base pass with the adapter "
+                                                "disabled from the first adapted layer; naive: two full passes")
+    loss_chunk: int = Field(128, ge=1, description="Tokens per chunk of the lm_head/CE/KL pass")
+    grad_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower")
+    trust_remote_code: bool = Field(False, description="Run the checkpoint's own modeling code (R1: not needed)")
     resume: bool = Field(True, description="Resume from the run folder's checkpoint when present")
 
 
 class InspectParams(NotebookParams):
     notebook: str = Field("30_adapter_inspection", exclude=True, repr=False)
-    adapter_dir: str = Field("", description="PEFT adapter folder; empty = latest HARI run's adapter")
-    base_model: str = Field("", description="Base model; empty = the adapter's base_model_name_or_path")
-    quantization: Literal["nf4", "none"] = "none"
+    adapter_dir: str = Field("latest", description="PEFT adapter folder; 'latest': newest HARI run's adapter "
+                                                   "under runs/")
+    base_model: str = Field("", description="Base model; '': the adapter's base_model_name_or_path")
+    quantization: Literal["nf4", "none"] = Field("none", description="nf4: load the base as notebook 20 does")
     quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts, as notebook 20 loads R1")
-    probe_dataset: str = Field("data/sft_tiny.jsonl", description="Held-out slice of the training data")
+    probe_dataset: str = Field("data/sft_tiny.jsonl", description="The training data: its trained and "
+                                                                  "held-out rows are probed")
     retain_dataset: str = Field("data/retain_tiny.jsonl", description="Text unrelated to training")
-    n_probe: int = Field(32, ge=1)
-    n_generate: int = Field(3, ge=0)
-    max_new_tokens: int = Field(48, ge=1)
-    system_prompt: str = "You are DeepSeek-R1."
-    max_len: int = Field(512, ge=16)
-    merge_out: str = Field("", description="Merged checkpoint folder, relative to the run folder; empty = no merge")
+    n_probe: int = Field(32, ge=1, description="Rows per probe set")
+    n_generate: int = Field(3, ge=0, description="Greedy answers shown side by side")
+    max_new_tokens: int = Field(48, ge=1, description="Tokens per greedy answer")
+    system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
+    max_len: int = Field(256, ge=16, description="Tokens per probe row")
+    merge_out: str = Field("merged", description="Merged checkpoint folder, relative to the run folder; "
+                                                 "'': no merge")
+
+    @field_validator("adapter_dir")
+    @classmethod
+    def _adapter_given(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty: give an adapter folder, or 'latest' for the newest HARI run's adapter")
+        return value
 
 
 MODELS: dict[str, type[NotebookParams]] = {

@@ -102,7 +102,7 @@ def test_verdict_table(d_peft, d_base, effect, floor, expected):
 
 def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, sequences, tmp_path):
     """R1's path: the LoRA server's samples, then the merge served by vLLM as the reference (no transformers copy)."""
-    from dsr1kit.infer.notebook import ServedEval
+    from dsr1kit.steps.vllm_inference import ServedEval
     from dsr1kit.plan import GIB, Machine
 
     samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences)

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsr1kit import params
-from dsr1kit.inspect import recipe
-from dsr1kit.inspect.adapter import AdapterError, inspect_adapter, read_adapter
-from dsr1kit.inspect.compare import compare_on, encode_probe
-from dsr1kit.inspect.merge import merge_into_copy, verify_merge
+from dsr1kit.steps import adapter_inspection
+from dsr1kit.inspection.adapter import AdapterError, inspect_adapter, read_adapter
+from dsr1kit.inspection.compare import compare_on, encode_probe
+from dsr1kit.inspection.merge import merge_into_copy, verify_merge
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "base_model.model.model.layers.2.self_attn.q_a_proj.lora_{}.weight"
@@ -39,7 +39,7 @@ def hari_run(tmp_path_factory):
 def adapted(hari_run):
     p = params.InspectParams(adapter_dir=str(hari_run[1]), max_len=128, n_probe=6)
     adapter = read_adapter(hari_run[1])
-    model, tok, loaded = recipe.load_adapted(p, adapter)
+    model, tok, loaded = adapter_inspection.load_adapted(p, adapter)
     return p, adapter, model, tok, loaded
 
 
@@ -68,13 +68,13 @@ def test_module_table_matches_an_independent_computation(adapted, tiny_dir):
 
 def test_training_slice_held_out_and_retain_probes(adapted):
     p, adapter, model, tok, _ = adapted
-    sets = recipe.probe_sets(p, adapter.path)
+    sets = adapter_inspection.probe_sets(p, adapter.path)
     assert list(sets) == ["training slice", "held-out", "retain"]
     assert sets["held-out"][0]["id"] == "sft-0048"  # the first row the 48-sample run never saw
-    results = recipe.compare_all(model, tok, sets, p)
+    results = adapter_inspection.compare_all(model, tok, sets, p)
     for r in results:
         assert r.kl_mean > 0 and 0 < r.top1_agreement <= 1 and r.tokens == len(r.kl_per_token)
-    status, lines = recipe.verdict(inspect_adapter(adapter, model), results)
+    status, lines = adapter_inspection.verdict(inspect_adapter(adapter, model), results)
     assert lines[0] == "lora_B is non-zero in every module" and status in ("ok", "warn")
 
 
@@ -86,12 +86,12 @@ def test_zero_adapter_moves_nothing(adapted, tmp_path):
     save_file({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in weights.items()},
               zero / "adapter_model.safetensors")
     z = read_adapter(zero)
-    model, tok, _ = recipe.load_adapted(p, z)
-    rows = recipe.probe_sets(p, z.path)["retain"]
+    model, tok, _ = adapter_inspection.load_adapted(p, z)
+    rows = adapter_inspection.probe_sets(p, z.path)["retain"]
     res = compare_on(model, encode_probe(tok, rows, 128, ""), "retain")
     assert res.kl_mean == pytest.approx(0.0, abs=1e-9) and res.top1_agreement == 1.0
     assert res.ce_adapted == pytest.approx(res.ce_base)
-    status, lines = recipe.verdict(inspect_adapter(z, model), [res])
+    status, lines = adapter_inspection.verdict(inspect_adapter(z, model), [res])
     assert status == "fail" and "all zero" in lines[0]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dsr1kit import parameters_cell
 from dsr1kit import params as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,16 +93,68 @@ def test_yaml_that_is_not_a_mapping_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
-def test_notebook_parameters_cell_matches_its_model(notebook):
-    """The parameters cell defines exactly the model's keys, with values that validate."""
-    nb = json.loads(notebook.read_text())
-    cells = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(cells) == 1
-    namespace: dict = {}
-    exec("".join(cells[0]["source"]), namespace)
+def test_notebook_parameters_cell_is_the_rendering_of_its_model(notebook):
+    """The committed cell is exactly what dsr1kit.params renders: a default lives in one file."""
     model = P.model_for(notebook)
+    assert parameters_cell.committed_source(notebook) == parameters_cell.render(model), (
+        f"{notebook.name}: parameters cell differs from dsr1kit/params.py; run `python -m dsr1kit.parameters_cell`")
+
+
+@pytest.mark.parametrize("model", list(P.MODELS.values()), ids=lambda m: m.__name__)
+def test_rendered_cell_defines_exactly_the_model_defaults(model):
+    namespace: dict = {}
+    exec(parameters_cell.render(model), namespace)
     assert {k for k in namespace if not k.startswith("__")} == set(model.keys())
-    model.from_namespace(namespace)
+    assert model.from_namespace(namespace).to_dict() == model().to_dict()
+
+
+@pytest.mark.parametrize("model", list(P.MODELS.values()), ids=lambda m: m.__name__)
+def test_every_parameter_has_help_text(model):
+    missing = [k for k in model.keys() if not (model.model_fields[k].description or "").strip()]
+    assert not missing, f"{model.__name__}: no description for {missing}"
+
+
+def test_changing_a_default_is_a_change_of_params_py_alone(monkeypatch):
+    """A changed default reaches the rendered cell and the tiny parameter set with no other file edited."""
+    from pydantic import Field
+
+    class Changed(P.HariParams):
+        kl_temperature: float = Field(2.5, gt=0, description="Softmax temperature T of the KL term")
+
+    monkeypatch.setitem(P.MODELS, "20_hari_training", Changed)
+    assert "kl_temperature = 2.5" in parameters_cell.render(Changed)
+    assert parameters_cell.render(Changed) != parameters_cell.committed_source(ROOT / "notebooks/20_hari_training.ipynb")
+    assert P.load("20_hari_training", [ROOT / "params/tiny/20_hari_training.yaml"]).kl_temperature == 2.5
+    assert P.load("20_hari_training").kl_temperature == 2.5  # `dsr1kit run` without -f
+    others = [f for f in ROOT.glob("params/*/*.yaml") if "kl_temperature" in f.read_text()]
+    assert not others, f"{others} repeat a default"
+
+
+def test_tiny_parameter_files_hold_no_keys():
+    """The tiny set is the typed defaults: its files are their command header alone."""
+    for path in sorted(ROOT.glob("params/tiny/*.yaml")):
+        assert P.read_yaml(path) == {}, f"{path} repeats defaults: {sorted(P.read_yaml(path))}"
+
+
+# A parameter set layered on another (`-f base -f layer`) differs from the base, not from the defaults.
+LAYERED_ON = {"r1-rehearsal": "r1-671b-2x8h100"}
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if p.parent.name != "tiny"],
+                         ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_parameter_files_hold_only_real_differences(path):
+    base_dir = LAYERED_ON.get(path.parent.name)
+    base_files = [ROOT / "params" / base_dir / path.name] if base_dir else []
+    base = P.load(path.stem, base_files).to_dict()
+    mine = P.load(path.stem, [*base_files, path]).to_dict()
+    same = [k for k in P.read_yaml(path) if mine[k] == base[k]]
+    assert not same, f"{path.relative_to(ROOT)} sets {same} to the value it already has"
+
+
+def test_an_empty_adapter_dir_says_what_to_give():
+    with pytest.raises(P.ParamsError) as err:
+        P.load("30_adapter_inspection", overrides={"adapter_dir": ""})
+    assert "'adapter_dir'" in str(err.value) and "'latest'" in str(err.value)
 
 
 @pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)

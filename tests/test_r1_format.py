@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from dsr1kit import r1_format
 from dsr1kit.data import templates
-from dsr1kit.inspect.adapter import read_adapter
-from dsr1kit.inspect.merge import merge_into_copy
+from dsr1kit.inspection.adapter import read_adapter
+from dsr1kit.inspection.merge import merge_into_copy
 from dsr1kit.model.fp8 import FP8_DTYPE
 from dsr1kit.model.stream_load import load_streaming
 

@@ -200,8 +200,8 @@ def parity_check(base_url: str, base_name: str, adapter_name: str, base_dir: str
 
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """Base weights + LoRA as a plain checkpoint in out_dir (shard by shard: works for R1 too)."""
-    from ..inspect.adapter import read_adapter
-    from ..inspect.merge import merge_into_copy
+    from ..inspection.adapter import read_adapter
+    from ..inspection.merge import merge_into_copy
 
     return merge_into_copy(base_dir, read_adapter(adapter_dir), out_dir)
 
@@ -218,7 +218,7 @@ def resolve_adapter(value: str, run_dir: str | Path) -> Path | None:
     if not value:
         return None
     if value == "latest":
-        from ..inspect.adapter import latest_adapter
+        from ..inspection.adapter import latest_adapter
 
         return latest_adapter(Path(run_dir).parent)
     path = resolve(value)

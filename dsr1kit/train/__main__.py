@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..params import ParamsError, load, parse_override
-from .recipe import run
+from ..steps.hari_training import run
 
 
 def main(argv: list[str] | None = None) -> int:

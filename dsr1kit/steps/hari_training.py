@@ -22,8 +22,8 @@ from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadedModel, load_model
 from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary  # noqa: F401 (notebook API)
-from . import dist
-from .loop import TrainResult, train
+from ..train import dist
+from ..train.loop import TrainResult, train
 
 
 @dataclass

@@ -11,15 +11,15 @@ import torch
 from .. import params as P
 from ..data.plan import load_rows
 from ..paths import PROJECT_ROOT, resolve
-from .adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter, latest_adapter,  # noqa: F401
+from ..inspection.adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter, latest_adapter,  # noqa: F401
                       read_adapter, stats_frame)
-from .compare import ProbeResult, compare_on, encode_probe, generations, training_slices
-from .merge import merge_into_copy, verify_merge, verify_merged_weights
+from ..inspection.compare import ProbeResult, compare_on, encode_probe, generations, training_slices
+from ..inspection.merge import merge_into_copy, verify_merge, verify_merged_weights
 
 
 def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
-    """'' → the newest adapter of a HARI run under runs/; else the given folder."""
-    if value:
+    """'latest' → the newest adapter of a HARI run under runs/; else the given folder."""
+    if value != "latest":
         return resolve(value)
     root = Path(runs_root or PROJECT_ROOT / "runs")
     found = latest_adapter(root)

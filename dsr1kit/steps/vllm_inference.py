@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from . import evaluate
-from .client import read_answers
+from ..infer import evaluate
+from ..infer.client import read_answers
 
 
 def load_model_and_tokenizer(model: str):
@@ -57,14 +57,14 @@ class ServedEval:
     def memory_plan(self):
         """vLLM's share per GPU (or host) for this model; the notebook shows it, start() refuses a misfit."""
         from ..plan import serve_plan
-        from .serve_form import fp8_blocks_servable
+        from ..infer.serve_form import fp8_blocks_servable
 
         return serve_plan(self.p, self.model_path, self.machine, fp8_blocks=fp8_blocks_servable())
 
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
-        from . import adapters
-        from .serve_form import servable
-        from .server import VLLMServer
+        from ..infer import adapters
+        from ..infer.serve_form import servable
+        from ..infer.server import VLLMServer
 
         if self.server is not None:
             self.server.stop()
@@ -85,7 +85,7 @@ class ServedEval:
     def check_parity(self, prompts):
         """PEFT vs vLLM logprobs for a served LoRA; not 'applied' + merge_if_ignored → base restarted without LoRA."""
         from ..plan import reference_plan
-        from . import adapters
+        from ..infer import adapters
 
         if not self.serve_lora:
             return None
@@ -113,7 +113,7 @@ class ServedEval:
 
     def evaluate(self, prompts) -> dict:
         """label -> client Stats for the base and (served or merged) adapter; answers resume per label."""
-        from . import adapters
+        from ..infer import adapters
 
         p, run_dir = self.p, self.run_dir
         with stop_on_error(self.server):
