@@ -53,8 +53,9 @@ def offline(model_path: str, ids: list[list[int]], max_new: int, max_num_seqs: i
 
 def online(model_path: str, ids: list[list[int]], max_new: int, max_num_seqs: int, env: dict,
            concurrency: int) -> dict:
+    from dsr1kit.cluster.rendezvous import free_port
     from dsr1kit.infer.client import CompletionClient, Request
-    from dsr1kit.infer.server import ServerSpec, VLLMServer, free_port
+    from dsr1kit.infer.server import ServerSpec, VLLMServer
 
     spec = ServerSpec(model=model_path, port=free_port(), max_num_seqs=max_num_seqs, seed=0,
                       env=env, **ENGINE)

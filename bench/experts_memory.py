@@ -431,7 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "dsr1kit-bench")
     ap.add_argument("--out", type=Path, help="write all figures as JSON here")
     ap.add_argument("--seq", type=int, default=4096, help="tokens for the MoE-layer timing")
-    ap.add_argument("--hari-seq", type=int, default=2048, help="tokens per HARI step (DESIGN fact 5 used 2048)")
+    ap.add_argument("--hari-seq", type=int, default=2048,
+                    help="tokens per HARI step (2048: as in the recorded HARI-step figures)")
     ap.add_argument("--modes", default=",".join(MODES), help="load variants, comma-separated")
     ap.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache before loads")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")

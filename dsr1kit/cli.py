@@ -94,20 +94,16 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     import os
     import secrets
     import signal
-    import socket
     import subprocess
     import time
     import urllib.request
 
+    from .cluster.rendezvous import free_port
     from .report import ensure_kernelspec
 
     kernel = ensure_kernelspec()  # the kernel runs this venv's Python, whatever Jupyter finds first
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
-    port = args.port
-    if not port:
-        with socket.socket() as s:
-            s.bind((args.ip, 0))
-            port = s.getsockname()[1]
+    port = args.port or free_port(args.ip)
     extra = args.jupyter_args[1:] if args.jupyter_args[:1] == ["--"] else args.jupyter_args
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.no_browser_open_file=True",
            f"--ServerApp.root_dir={PROJECT_ROOT}", f"--ServerApp.ip={args.ip}", f"--ServerApp.port={port}",

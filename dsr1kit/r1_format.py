@@ -32,7 +32,7 @@ REPO_ID = "dsr1kit-rehearsal/DeepSeek-R1-tiny"
 FORMAT_VERSION = 1
 R1_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                           "weight_block_size": [128, 128]}
-INDEX_FILE = "model.safetensors.index.json"  # as dsr1kit.model.stream_load reads it; kept import-light:
+INDEX_FILE = "model.safetensors.index.json"  # as dsr1kit.model.checkpoint_index reads it; kept import-light:
 # tests import this module to set the offline hub environment before anything imports huggingface_hub
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")

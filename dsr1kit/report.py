@@ -52,7 +52,7 @@ class RunResult:
 
 def process_rank(env: dict[str, str] | None = None) -> int:
     """This process's rank when several run the same notebook (srun one task per node, torchrun)."""
-    from .cluster.slurm import process_ranks
+    from .cluster.rendezvous import process_ranks
 
     return process_ranks(env)[0]
 

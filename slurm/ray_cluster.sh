@@ -5,7 +5,7 @@
 # In an sbatch script (after `source slurm/prelude.sh`, from the project root):
 #   slurm/ray_cluster.sh up      # head here + workers via srun; prints RAY_ADDRESS=IP:PORT last
 #   slurm/ray_cluster.sh down    # stop Ray on every node of the job, remove its temp dirs
-# One node at a time (what `up`/`down` run; dsr1kit.cluster.ray calls these too):
+# One node at a time (what `up`/`down` run; the Ray tests call these too):
 #   slurm/ray_cluster.sh head   NODE_IP PORT TEMP_DIR [ray start args...]        # returns once up
 #   slurm/ray_cluster.sh worker NODE_IP HEAD_IP:PORT TEMP_DIR [ray start args...] # blocks while alive
 #   slurm/ray_cluster.sh stop   TEMP_DIR

@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,18 +31,14 @@ from pathlib import Path
 
 import pytest
 
+from dsr1kit.cluster.rendezvous import free_port
+
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 16
 GPUS_PER_NODE = 8
 DAEMONS = ("munged", "slurmctld", "slurmd")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -86,7 +81,7 @@ class SlurmCluster:
     @staticmethod
     def _slurm_conf(root: Path) -> str:
         nodes = "\n".join(
-            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} "
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
             f"CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN" for n in NODES)
         # A random first job id: jobs derive ports from it (15000/20000 + JOBID % 10000), so two
         # test sessions on one host do not collide.
@@ -95,7 +90,7 @@ class SlurmCluster:
 ClusterName=dsr1kit-test
 FirstJobId={first_job_id}
 SlurmctldHost=localhost
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

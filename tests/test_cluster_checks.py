@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
-import socket
 
 import pytest
 
 from dsr1kit import params as P
 from dsr1kit.cluster import allreduce, checks, net, rank_check
+from dsr1kit.cluster.rendezvous import free_port
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 
@@ -111,10 +111,7 @@ def test_bus_bandwidth_is_judged_against_the_expected_figure(busbw, status):
 
 
 def test_rank_that_nobody_joins_reports_an_error_instead_of_hanging():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = allreduce.run(1, 2, f"tcp://127.0.0.1:{port}", [1], timeout_s=3)
+    result = allreduce.run(1, 2, f"tcp://127.0.0.1:{free_port()}", [1], timeout_s=3)
     row = allreduce.correctness_row(result)
     assert row.status == "fail" and "rank 1/2" in row.measured and "MASTER_ADDR" in row.fix
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsr1kit.cluster.slurm import process_ranks
+from dsr1kit.cluster.rendezvous import process_ranks
 from dsr1kit.report import process_rank
 from dsr1kit.train.dist import from_env
 
@@ -32,3 +32,9 @@ def test_rendezvous_from_the_prelude_wins():
     assert (info.master_addr, info.master_port) == ("10.0.0.7", 19242)
     info = from_env({**SRUN, **TORCHRUN})
     assert (info.master_addr, info.master_port) == ("10.0.0.9", 29511)
+
+
+def test_without_the_prelude_srun_ranks_meet_at_the_jobs_first_host_and_port():
+    env = {k: v for k, v in SRUN.items() if not k.startswith("MASTER_")} | {"SLURM_JOB_NODELIST": "localhost"}
+    info = from_env(env)
+    assert (info.master_addr, info.master_port) == ("127.0.0.1", 15000 + 4242 % 10000)

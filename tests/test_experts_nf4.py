@@ -112,7 +112,7 @@ def test_quantize_in_place_matches_the_streaming_loader(tiny_dir):
 
 
 def test_routing_stays_fp32_under_autocast(bf16_model, routed):
-    """DESIGN fact 4: bf16 router logits flip expert choices; the router runs outside autocast."""
+    """bf16 router logits flip expert choices (6–33% of them, measured), so the router runs outside autocast."""
     router = copy.deepcopy(bf16_model.model.layers[1].mlp.gate)
     hidden = routed[0]
     expected = router(hidden)

@@ -11,9 +11,9 @@ import json
 import pytest
 
 from dsr1kit.infer.client import read_answers
-from dsr1kit.infer.toy import make_lora_adapter
 
 from infer_support import assert_no_server_left
+from toy_models import make_lora_adapter
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

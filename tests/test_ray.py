@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from dsr1kit.cluster import ray as R
+from dsr1kit.cluster.rendezvous import free_port
+from ray_support import start_head, start_worker
 
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 STORE = 100 * 10**6  # bytes; /dev/shm is shared with everything else on the CI machine
@@ -19,9 +21,7 @@ STORE = 100 * 10**6  # bytes; /dev/shm is shared with everything else on the CI 
 def _free_port_block(n: int = 4) -> int:
     """A port P with P..P+n-1 free (head: GCS, client server, dashboard, agent)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        base = free_port()
         if base + n < 65535 and all(_free(base + i) for i in range(1, n)):
             return base
     raise RuntimeError("no free port block")
@@ -43,10 +43,9 @@ def cluster():
     port = _free_port_block()
     nodes = []
     try:
-        nodes.append(R.start_head(HEAD_IP, port, root / "head", "--num-cpus=1", object_store_bytes=STORE))
-        nodes.append(R.start_worker(f"{HEAD_IP}:{port}", WORKER_IP, root / "worker", "--num-cpus=1",
-                                    agent_port=_free_port_block(1), object_store_bytes=STORE,
-                                    log=root / "worker.log"))
+        nodes.append(start_head(HEAD_IP, port, root / "head", "--num-cpus=1", object_store_bytes=STORE))
+        nodes.append(start_worker(f"{HEAD_IP}:{port}", WORKER_IP, root / "worker", "--num-cpus=1",
+                                  agent_port=free_port(), object_store_bytes=STORE, log=root / "worker.log"))
         yield {"address": f"{HEAD_IP}:{port}", "root": root,
                "state": R.wait_for_cluster(f"{HEAD_IP}:{port}", 2, timeout=180)}
     finally:
@@ -91,7 +90,7 @@ def test_unreachable_head_is_a_failing_row_not_a_crash():
 def test_stop_ends_only_that_node_and_removes_its_temp_dir(cluster):
     """A third, separate head on 127.0.0.4 is stopped; the module's cluster keeps both nodes."""
     temp = cluster["root"] / "other"
-    R.start_head("127.0.0.4", _free_port_block(), temp, "--num-cpus=1", object_store_bytes=STORE)
+    start_head("127.0.0.4", _free_port_block(), temp, "--num-cpus=1", object_store_bytes=STORE)
     try:
         assert R._holders(temp)
     finally:

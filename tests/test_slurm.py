@@ -1,4 +1,4 @@
-"""dsr1kit.cluster.slurm: node lists, rendezvous, the job's request and the --gpus-per-task trap.
+"""dsr1kit.cluster.slurm and .rendezvous: node lists, rendezvous, the job's request and the --gpus-per-task trap.
 
 Tests that need `scontrol` use the session's real two-node Slurm (tests/slurm_cluster.py).
 """
@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from dsr1kit.cluster import rendezvous as R
 from dsr1kit.cluster import slurm as S
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
@@ -24,30 +25,30 @@ NODELISTS = [
 
 @pytest.mark.parametrize("nodelist,hosts", NODELISTS)
 def test_scontrol_expands_the_nodelist(slurm, nodelist, hosts):
-    assert S.expand_nodelist(nodelist, env=slurm.env) == hosts
+    assert R.expand_nodelist(nodelist, env=slurm.env) == hosts
 
 
 @pytest.mark.parametrize("nodelist,hosts", NODELISTS)
 def test_python_expansion_gives_the_same_hosts_without_scontrol(nodelist, hosts):
-    assert S.expand_nodelist(nodelist, use_scontrol=False) == hosts
+    assert R.expand_nodelist(nodelist, use_scontrol=False) == hosts
 
 
 @pytest.mark.parametrize("job_id,port", [(1, 15001), (12345, 17345), (9999, 24999), (10000, 15000), (987654, 22654)])
 def test_rendezvous_port_is_15000_plus_jobid_mod_10000(job_id, port):
-    assert S.rendezvous_port(job_id) == port
+    assert R.rendezvous_port(job_id) == port
 
 
 def test_host_in_dns_resolves_to_ipv4():
-    assert S.resolve_ipv4("localhost") == ("127.0.0.1", "dns")
+    assert R.resolve_ipv4("localhost") == ("127.0.0.1", "dns")
 
 
 def test_slurm_node_not_in_dns_resolves_through_its_nodeaddr(slurm):
-    assert S.resolve_ipv4("n1", env=slurm.env) == ("127.0.0.1", "slurm NodeAddr")
+    assert R.resolve_ipv4("n1", env=slurm.env) == ("127.0.0.1", "slurm NodeAddr")
 
 
 def test_unresolvable_host_is_an_error_naming_it(slurm):
-    with pytest.raises(S.ResolveError, match="'nowhere-node.invalid'.*not in DNS"):
-        S.resolve_ipv4("nowhere-node.invalid", env=slurm.env)
+    with pytest.raises(R.ResolveError, match="'nowhere-node.invalid'.*not in DNS"):
+        R.resolve_ipv4("nowhere-node.invalid", env=slurm.env)
 
 
 def test_rendezvous_is_first_host_as_ipv4_and_port_from_job_id(slurm):
@@ -55,6 +56,7 @@ def test_rendezvous_is_first_host_as_ipv4_and_port_from_job_id(slurm):
     job = S.SlurmJob.from_env(env)
     assert job.hostnames == ["n1", "n2"]
     assert S.rendezvous(job, env) == ("127.0.0.1", 17345)
+    assert R.job_master_endpoint(env) == ("127.0.0.1", 17345)  # what training uses, without SlurmJob
 
 
 def test_job_layout_is_read_from_slurm_env():

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dsr1kit.model.checkpoint_index import INDEX_FILE, read_index, read_weight_map
 from dsr1kit.model.fp8 import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from dsr1kit.model.stream_load import CheckpointError, device_for, load_streaming
 from dsr1kit.r1_format import (R1_QUANTIZATION_CONFIG, is_fp8_weight, read_tensors, shard_name, to_fp8,
@@ -167,6 +168,18 @@ def test_missing_shard_is_named_with_what_to_do(fp8_dir, tmp_path):
     (broken / "layer-002.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"layer-002\.safetensors .*model\.layers\.2\.(?s:.*)Download them"):
         load_streaming(broken, progress=False)
+
+
+def test_one_index_reader_for_sharded_and_single_file_checkpoints(fp8_dir, tmp_path):
+    """Loader, adapter merge and serving copy read the shard map the same way; a rewrite keeps the metadata."""
+    stored = json.loads((fp8_dir / INDEX_FILE).read_text())
+    assert read_index(fp8_dir) == stored and read_weight_map(fp8_dir) == stored["weight_map"]
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file({"a": torch.zeros(2), "b": torch.ones(1)}, single / "model.safetensors")
+    assert read_index(single) == {"weight_map": {"a": "model.safetensors", "b": "model.safetensors"}}
+    with pytest.raises(CheckpointError, match=f"has neither {INDEX_FILE} nor model.safetensors"):
+        read_weight_map(tmp_path)
 
 
 def test_tensor_with_unexpected_shape_names_file_tensor_and_shapes(tiny_dir, tmp_path):

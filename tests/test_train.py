@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from dsr1kit.cluster.rendezvous import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "params" / "tiny" / "20_hari_training.yaml")
 SMALL = ["-p", "sample_limit", "96", "-p", "max_steps", "12", "-p", "save_every", "3", "-p", "log_every", "2"]
@@ -25,12 +27,6 @@ def _train(run_dir: Path, *extra: str, env: dict | None = None, wait: bool = Tru
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,7 @@ def test_no_secret_in_any_output(full_run):
 
 
 def test_two_gloo_ranks_end_with_identical_adapters(tmp_path, full_run):
-    port = _free_port()
+    port = free_port()
     procs = [_train(tmp_path, env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, wait=False)
              for r in range(2)]

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from .checks import FAIL, PASS, WARN, Row, node_name
+from .rendezvous import stop_process_group
 
 MIB = 2**20
 
@@ -48,7 +49,7 @@ def run(rank: int, world_size: int, init_method: str, sizes_mib: list[float], ti
     except Exception as err:  # noqa: BLE001
         out["error"] = f"all-reduce failed on rank {rank}: {type(err).__name__}: {err}"
     finally:
-        dist.destroy_process_group()
+        stop_process_group()
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .checks import FAIL, PASS, WARN, Row, node_name
+from .rendezvous import ResolveError, resolve_ipv4
 
 
 @dataclass
@@ -126,8 +127,6 @@ def check_advertised_ip(ip: str, env: Mapping[str, str] | None = None,
 
 def check_resolution(hosts: list[str], env: Mapping[str, str] | None = None) -> Row:
     """Every node name of the job resolves to IPv4 from this node."""
-    from .slurm import ResolveError, resolve_ipv4
-
     seen, errors, via_slurm = [], [], []
     for host in hosts:
         try:

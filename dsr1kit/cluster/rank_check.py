@@ -28,6 +28,7 @@ import yaml
 from .. import params as P
 from . import allreduce, checks, net, slurm
 from .checks import FAIL, Row
+from .rendezvous import ResolveError, free_port
 
 
 def collect(p: P.ClusterCheckParams, rank: int, world_size: int, local_rank: int, init_method: str,
@@ -43,7 +44,7 @@ def collect(p: P.ClusterCheckParams, rank: int, world_size: int, local_rank: int
         try:
             ip = slurm.node_ip(job)
             rows.append(net.check_advertised_ip(ip))
-        except (ValueError, slurm.ResolveError) as err:
+        except (ValueError, ResolveError) as err:
             rows.append(Row("advertised ip", FAIL, str(err), "an IPv4 of this node",
                             "set the node IP explicitly (NODE_IP)", checks.node_name()))
         if job:
@@ -74,12 +75,6 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local(p: P.ClusterCheckParams, out_dir: str | Path, world_size: int | None = None,
               timeout_s: float | None = None) -> Path:
     """Run the per-rank check as `world_size` local processes (gloo over 127.0.0.1); returns out_dir."""
@@ -88,7 +83,7 @@ def run_local(p: P.ClusterCheckParams, out_dir: str | Path, world_size: int | No
     params_file = out / "params.yaml"
     params_file.write_text(yaml.safe_dump(p.to_dict()))
     n = world_size or p.local_ranks
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # a local run, even on a login node
     procs = [subprocess.Popen([sys.executable, "-m", "dsr1kit.cluster.rank_check", "--out", str(out),
                                "-f", str(params_file), "--rank", str(r), "--world-size", str(n),

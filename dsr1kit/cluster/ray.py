@@ -1,9 +1,9 @@
-"""Ray across nodes: start (through slurm/ray_cluster.sh), wait for every node, inspect, stop.
+"""Ray across nodes: wait for every node, inspect, stop.
 
-The flags live in one place, the shell helper the sbatch scripts use; this
-module runs the same helper so tests exercise what jobs run. Looking at a
-cluster happens in a short-lived subprocess (a Ray driver can hang or leave
-threads behind; a notebook kernel or pytest should not).
+Starting Ray lives in one place, slurm/ray_cluster.sh (its flags are what jobs
+run; the tests start nodes through the same helper). Looking at a cluster
+happens in a short-lived subprocess (a Ray driver can hang or leave threads
+behind; a notebook kernel or pytest should not).
 
     python -m dsr1kit.cluster.ray wait  --address IP:PORT --nodes 2 [--gpus 16] [--timeout 300]
     python -m dsr1kit.cluster.ray state --address IP:PORT
@@ -22,57 +22,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..paths import PROJECT_ROOT
 from .checks import FAIL, PASS, Row
-
-HELPER = PROJECT_ROOT / "slurm" / "ray_cluster.sh"
 
 
 class RayClusterIncomplete(RuntimeError):
     """Not every expected node (or GPU) joined before the timeout; the message names who is missing."""
-
-
-@dataclass
-class RayNode:
-    """One node this process started; `proc` is the blocking worker process (None for a head)."""
-    ip: str
-    temp_dir: Path
-    address: str
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-
-
-def _helper_env(agent_port: int | None, object_store_bytes: int | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this env's `ray`
-    env["PYTHON"] = sys.executable
-    if agent_port:
-        env["RAY_AGENT_PORT"] = str(agent_port)
-    if object_store_bytes:
-        env["DSR1KIT_RAY_OBJECT_STORE_BYTES"] = str(object_store_bytes)
-    return env
-
-
-def start_head(ip: str, port: int, temp_dir: str | Path, *extra: str, agent_port: int | None = None,
-               object_store_bytes: int | None = None, timeout: float = 120) -> RayNode:
-    """`ray start --head` with an explicit IP; returns when the head is up."""
-    proc = subprocess.run([str(HELPER), "head", ip, str(port), str(temp_dir), *extra], capture_output=True,
-                          text=True, env=_helper_env(agent_port, object_store_bytes), timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ray head on {ip}:{port} did not start:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return RayNode(ip, Path(temp_dir), f"{ip}:{port}")
-
-
-def start_worker(head_address: str, ip: str, temp_dir: str | Path, *extra: str, agent_port: int | None = None,
-                 object_store_bytes: int | None = None, log: str | Path | None = None) -> RayNode:
-    """A worker that joins `head_address`, in the background (it blocks, as under srun)."""
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([str(HELPER), "worker", ip, head_address, str(temp_dir), *extra], stdout=out,
-                            stderr=subprocess.STDOUT, env=_helper_env(agent_port, object_store_bytes))
-    return RayNode(ip, Path(temp_dir), head_address, proc)
 
 
 # -- looking at a running cluster -------------------------------------------------------------

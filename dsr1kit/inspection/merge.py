@@ -29,22 +29,18 @@ from pathlib import Path
 import torch
 
 from ..model.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks
-from ..model.stream_load import INDEX_FILE
+from ..model.checkpoint_index import INDEX_FILE, CheckpointError, read_index, read_weight_map
 from .adapter import Adapter, AdapterError
+
 FUSED_PARTNERS = {"q_a_proj": "kv_a_proj_with_mqa", "kv_a_proj_with_mqa": "q_a_proj"}
 
 
-def _weight_map(base: Path) -> dict[str, str]:
-    index = base / INDEX_FILE
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    single = base / "model.safetensors"
-    if not single.is_file():
-        raise AdapterError(f"{base} has neither model.safetensors nor {INDEX_FILE}")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single.name for k in f.keys()}
+def _weight_map(folder: Path) -> dict[str, str]:
+    """The folder's tensor → shard map; a checkpoint that cannot be read is an AdapterError here."""
+    try:
+        return read_weight_map(folder)
+    except CheckpointError as err:
+        raise AdapterError(str(err)) from err
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -125,7 +121,7 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
         os.replace(tmp, out / shard)
     if fp8:
         kept = {f"{m}.weight{SCALE_SUFFIX}" for m in kept_bf16}
-        index = json.loads((base / INDEX_FILE).read_text())
+        index = read_index(base)
         index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in kept}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         config = json.loads((base / "config.json").read_text())

@@ -2,8 +2,8 @@
 
 transformers 5 stores a layer's routed experts as two fused 3-D parameters
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), and bitsandbytes only
-quantizes ``nn.Linear``, so "4-bit" loading leaves them in bf16 (DESIGN facts
-1, 15). `NF4Experts` replaces such a module:
+quantizes ``nn.Linear``, so "4-bit" loading leaves them in bf16 (measured:
+bitsandbytes alone saves about 4%). `NF4Experts` replaces such a module:
 
 - storage: each expert quantized on its own with ``quantize_4bit`` (NF4, double
   quantization, blocksize 64 like the linears), stacked as ``[E, …]`` buffers so
@@ -18,8 +18,8 @@ quantizes ``nn.Linear``, so "4-bit" loading leaves them in bf16 (DESIGN facts
   custom autograd function keeps no bf16 weights: it re-dequantizes chunk by
   chunk in backward and recomputes that chunk's expert MLP.
 
-On CPU bitsandbytes has no ``dequantize_4bit.out`` (fact 15), so dequantization
-always allocates; the same code runs on CPU (tests) and CUDA.
+On CPU bitsandbytes has no ``dequantize_4bit.out``, so dequantization always
+allocates; the same code runs on CPU (tests) and CUDA.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 BLOCKSIZE = 64            # NF4 block, same as BitsAndBytesConfig's default for the linears
 NESTED_BLOCKSIZE = 256    # double-quantization block bitsandbytes uses for the absmax
-CHUNK_EXPERTS = 64        # experts dequantized per call (fact 15: same speed, ~1/4 the peak)
+CHUNK_EXPERTS = 64        # experts dequantized per call (measured: as fast as all at once, ~1/4 the peak)
 MAX_DEQUANT_ELEMENTS = 2**31 - 1
 IMPLEMENTATIONS = ("eager", "grouped_mm")
 
@@ -295,7 +295,7 @@ def quantize_experts_(model: nn.Module, *, chunk_experts: int = CHUNK_EXPERTS) -
 
 
 def keep_routing_fp32(model: nn.Module) -> int:
-    """Router weights in fp32 and its forward outside autocast (fact 4: bf16 routing flips 6–33% of choices)."""
+    """Router weights in fp32 and its forward outside autocast (measured: bf16 routing flips 6–33% of choices)."""
     count = 0
     for module in model.modules():
         if not type(module).__name__.endswith("TopkRouter") or getattr(module, "_dsr1kit_fp32", False):

@@ -8,7 +8,7 @@
   Native transformers modeling has neither trap (its router has no training-mode assert).
 - bitsandbytes on CPU: an eval-mode ``no_grad`` forward repacks NF4 weights
   for AVX512-BF16 and afterwards training silently gets ``None`` grads
-  (fact 6) → the repack is switched off on every ``Linear4bit``.
+  → the repack is switched off on every ``Linear4bit``.
 """
 
 from __future__ import annotations

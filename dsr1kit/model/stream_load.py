@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,19 +28,14 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from .checkpoint_index import CheckpointError, read_weight_map
 from .experts_nf4 import CHUNK_EXPERTS, NF4Experts, experts_implementation, is_fused_experts, keep_routing_fp32
 from .fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, dequantize_fp8_blocks
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 FP32_KEYS = ("e_score_correction_bias", "gate.weight")  # transformers keeps the router in fp32
 DeviceMap = Mapping[str, Any] | str | int | torch.device
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory cannot be loaded as it is; the message says what to fix."""
 
 
 # -- the checkpoint on disk ----------------------------------------------------------------
@@ -78,34 +72,9 @@ def read_config(path: Path):
             raise CheckpointError(f"{cfg_file}: quantization_config.quant_method {quant.get('quant_method')!r} is "
                                   "not supported; the loader reads BF16 checkpoints and DeepSeek's block FP8.")
         fp8_block = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
-    for key in ("auto_map", "architectures"):  # native modeling only (DESIGN fact 2)
+    for key in ("auto_map", "architectures"):  # transformers' native DeepseekV3, never the repo's remote code
         raw.pop(key, None)
     return DeepseekV3Config.from_dict(raw), fp8_block
-
-
-def read_weight_map(path: Path) -> dict[str, str]:
-    """Tensor name → shard file, from the index json (or the one shard); every shard must exist."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / SINGLE_FILE).is_file():
-        with safe_open(path / SINGLE_FILE, framework="pt") as f:
-            weight_map = {key: SINGLE_FILE for key in f.keys()}
-    else:
-        raise CheckpointError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}: point the loader at the "
-                              "directory that holds the model's safetensors shards and their index.")
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for key, shard in weight_map.items():
-        by_shard[shard].append(key)
-    missing = sorted(shard for shard in by_shard if not (path / shard).is_file())
-    if missing:
-        listing = "\n".join(f"  {s} ({len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing[:10])
-        more = f"\n  … and {len(missing) - 10} more" if len(missing) > 10 else ""
-        raise CheckpointError(
-            f"{len(missing)} shard(s) named in {index.name} are missing from {path}:\n{listing}{more}\n"
-            f"Download them again (e.g. `huggingface-cli download REPO {missing[0]} --local-dir {path}`) "
-            "or fix the checkpoint path.")
-    return weight_map
 
 
 # -- does the checkpoint match its config? ----------------------------------------------------
@@ -252,7 +221,7 @@ def _nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, c
                             device="meta")
     new.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, blocksize=64,
                                    quant_type="nf4", module=new).to(device)
-    new.support_avx512bf16_for_cpu = False  # DESIGN fact 6: the CPU eval repack breaks training
+    new.support_avx512bf16_for_cpu = False  # an eval forward on CPU repacks NF4; training then gets None grads
     return new
 
 

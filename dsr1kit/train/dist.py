@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from ..cluster import slurm
+from ..cluster.rendezvous import job_master_endpoint, process_ranks
+from ..cluster.rendezvous import stop_process_group as shutdown  # noqa: F401  (steps/hari_training.py calls it)
 
 
 @dataclass
@@ -36,15 +37,14 @@ class DistInfo:
 def from_env(env: dict[str, str] | None = None) -> DistInfo:
     """Ranks from torchrun or srun; the rendezvous from MASTER_ADDR/PORT, else the job's first host and id."""
     env = dict(os.environ if env is None else env)
-    rank, world, local, source = slurm.process_ranks(env)
+    rank, world, local, source = process_ranks(env)
     if source == "torchrun":
         return DistInfo(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
                         source)
     if source == "slurm":
         addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not (addr and port):
-            job = slurm.SlurmJob.from_env(env)
-            default_addr, default_port = slurm.rendezvous(job, env)
+            default_addr, default_port = job_master_endpoint(env)
             addr, port = addr or default_addr, port or default_port
         return DistInfo(rank, world, local, addr, int(port), source)
     return DistInfo()
@@ -111,8 +111,3 @@ def gather_hostnames() -> list[str]:
 def barrier() -> None:
     if tdist.is_initialized() and tdist.get_world_size() > 1:
         tdist.barrier()
-
-
-def shutdown() -> None:
-    if tdist.is_initialized():
-        tdist.destroy_process_group()

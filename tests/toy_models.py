@@ -1,4 +1,4 @@
-"""Toy models and adapters for testing the serving path on a CPU, built locally in seconds.
+"""Toy models and adapters for the serving tests on a CPU, built locally in seconds.
 
 vLLM on CPU cannot serve a LoRA on a MoE model (its MoE-LoRA backend is Triton's, which fails on CPU), so adapter
 serving and the parity check are exercised on a tiny *dense* Llama that shares

@@ -1,0 +1,203 @@
+"""The package's shape: every module imports on its own, and the cluster modules import one way only.
+
+`dsr1kit.cluster.rendezvous` (ranks, node list, MASTER_ADDR/PORT) is what both the
+checks and training need; it must import no other cluster module, so training does
+not pull in the checks and no cluster module can close a circle through it. The
+import graph is read with `ast`, function-local imports included, because a circle
+hidden in a function body still breaks whichever side is imported first.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dsr1kit"
+NEUTRAL = "dsr1kit.cluster.rendezvous"
+OPTIONAL = ("vllm", "ray", "bitsandbytes")  # a module may need these; nothing else may be missing
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+MODULES = _modules()
+
+
+# -- every module imports by itself -------------------------------------------------------------
+IMPORT_EACH = r"""
+import importlib, json, sys, traceback
+optional = set(sys.argv[2].split(","))
+results = {}
+for name in sys.argv[1].split(","):
+    for loaded in [m for m in sys.modules if m == "dsr1kit" or m.startswith("dsr1kit.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+        results[name] = "ok"
+    except ModuleNotFoundError as err:
+        missing = (err.name or "").split(".")[0]
+        results[name] = f"skip: {missing}" if missing in optional else traceback.format_exc(limit=-3)
+    except BaseException:
+        results[name] = traceback.format_exc(limit=-3)
+print(json.dumps(results))
+"""
+
+
+def test_every_module_imports_on_its_own():
+    """Each module starts from no dsr1kit module loaded, so a missing import or an order dependence shows."""
+    names = sorted(MODULES)
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH, ",".join(names), ",".join(OPTIONAL)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(results) == set(names)
+    failed = {name: out for name, out in results.items() if out != "ok" and not out.startswith("skip: ")}
+    assert not failed, "\n\n".join(f"{name}:\n{out}" for name, out in failed.items())
+
+
+# -- the import graph ----------------------------------------------------------------------------
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module named by `from X import …` inside `module`."""
+    if not node.level:
+        return node.module or ""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    base = package.split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, source: str, known: set[str]) -> dict[str, int]:
+    """dsr1kit modules `module` imports anywhere in `source` (module level or in a function) → first line."""
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            # `from pkg import sub` imports the submodule; `from mod import name` the module itself
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import dsr1kit.x.y.attr` style: the longest module
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    known = set(MODULES)
+    return {m: imports_of(m, p.read_text(), known) for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
+    edges = [f"  {a} imports {b} ({MODULES[a].relative_to(ROOT)}:{graph[a][b]})"
+             for a in component for b in graph[a] if b in component]
+    return "import circle:\n" + "\n".join(edges)
+
+
+def _reachable(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    seen, todo = set(), list(graph[start])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, {})
+    return seen
+
+
+def test_the_graph_sees_function_local_and_relative_imports():
+    """The checker itself: a circle hidden in a function body must be an edge."""
+    known = {"dsr1kit.cluster", "dsr1kit.cluster.net", "dsr1kit.cluster.slurm", "dsr1kit.params"}
+    source = "from .. import params as P\ndef f():\n    from .slurm import resolve_ipv4\n"
+    assert imports_of("dsr1kit.cluster.net", source, known) == {"dsr1kit.params": 1, "dsr1kit.cluster.slurm": 3}
+    assert _cycles({"a": {"b": 1}, "b": {"a": 2}, "c": {"a": 1}}) == [["a", "b"]]
+
+
+def test_no_import_circle_runs_through_a_cluster_module():
+    graph = import_graph()
+    circles = [c for c in _cycles(graph) if any(m.startswith("dsr1kit.cluster") for m in c)]
+    assert not circles, "\n".join(_describe(c, graph) for c in circles)
+
+
+def test_rendezvous_imports_no_cluster_module_and_nothing_it_imports_comes_back():
+    graph = import_graph()
+    assert NEUTRAL in graph
+    below = _reachable(graph, NEUTRAL)
+    assert not {m for m in below if m.startswith("dsr1kit.cluster.")}, \
+        f"{NEUTRAL} must not import other cluster modules, but reaches {sorted(below)}"
+    assert NEUTRAL not in below, f"{NEUTRAL} reaches itself through {sorted(below)}"
+
+
+LOADED = r"""
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("dsr1kit") or m.split(".")[0] == "torch")))
+"""
+
+
+def _loaded_by(module: str) -> set[str]:
+    proc = subprocess.run([sys.executable, "-c", LOADED, module], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_rendezvous_alone_loads_no_other_cluster_module_and_no_torch():
+    """slurm/prelude.sh runs on every node before anything else: no checks, no torch."""
+    loaded = _loaded_by(NEUTRAL)
+    others = {m for m in loaded if m.startswith("dsr1kit.cluster.") and m != NEUTRAL}
+    assert not others, f"importing {NEUTRAL} also loaded {sorted(others)}"
+    assert "torch" not in loaded
+
+
+def test_training_joins_ranks_without_the_cluster_checks():
+    loaded = _loaded_by("dsr1kit.train.dist")
+    assert NEUTRAL in loaded
+    assert not {m for m in loaded if m.startswith("dsr1kit.cluster.") and m != NEUTRAL}, sorted(loaded)
