@@ -14,9 +14,9 @@ import pytest
 from dsr1kit.infer import adapters
 from dsr1kit.infer import evaluate as ev
 from dsr1kit.infer.server import VLLMServer, http_json
-from dsr1kit.infer.toy import build_tiny_llama, make_lora_adapter
 
 from infer_support import assert_gone, cpu_params, server_family
+from toy_models import build_tiny_llama, make_lora_adapter
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -102,6 +102,7 @@ def test_verdict_table(d_peft, d_base, effect, floor, expected):
 
 def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, sequences, tmp_path):
     """R1's path: the LoRA server's samples, then the merge served by vLLM as the reference (no transformers copy)."""
+    from dsr1kit.steps import vllm_inference
     from dsr1kit.steps.vllm_inference import ServedEval
     from dsr1kit.plan import GIB, Machine
 
@@ -131,4 +132,4 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     assert parity.reference == adapters.SERVED_REFERENCE
     assert parity.verdict == "applied", parity.lines()  # vLLM serves this q/v LoRA as its merge computes
     assert parity.vllm_vs_peft < parity.tol < parity.adapter_effect
-    session.finish()  # applied: no failure
+    assert vllm_inference.verdict({}, session.parity).status == "ok"  # applied: no failure

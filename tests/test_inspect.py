@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsr1kit import params
+from dsr1kit import params, steps
 from dsr1kit.steps import adapter_inspection
 from dsr1kit.inspection.adapter import AdapterError, inspect_adapter, read_adapter
 from dsr1kit.inspection.compare import compare_on, encode_probe
@@ -74,8 +74,10 @@ def test_training_slice_held_out_and_retain_probes(adapted):
     results = adapter_inspection.compare_all(model, tok, sets, p)
     for r in results:
         assert r.kl_mean > 0 and 0 < r.top1_agreement <= 1 and r.tokens == len(r.kl_per_token)
-    status, lines = adapter_inspection.verdict(inspect_adapter(adapter, model), results)
-    assert lines[0] == "lora_B is non-zero in every module" and status in ("ok", "warn")
+    verdict = adapter_inspection.verdict(inspect_adapter(adapter, model), results)
+    assert verdict.headline.startswith("CE on the training slice") and verdict.status in ("ok", "warn")
+    assert verdict.lines[0] == "lora_B is non-zero in every module"
+    steps.finish(verdict)  # not a failure
 
 
 def test_zero_adapter_moves_nothing(adapted, tmp_path):
@@ -91,8 +93,10 @@ def test_zero_adapter_moves_nothing(adapted, tmp_path):
     res = compare_on(model, encode_probe(tok, rows, 128, ""), "retain")
     assert res.kl_mean == pytest.approx(0.0, abs=1e-9) and res.top1_agreement == 1.0
     assert res.ce_adapted == pytest.approx(res.ce_base)
-    status, lines = adapter_inspection.verdict(inspect_adapter(z, model), [res])
-    assert status == "fail" and "all zero" in lines[0]
+    verdict = adapter_inspection.verdict(inspect_adapter(z, model), [res])
+    assert verdict.status == "fail" and "all zero" in verdict.headline
+    with pytest.raises(adapter_inspection.InspectionFailed, match="all zero"):
+        steps.finish(verdict)  # notebook 30's last call: the run fails
 
 
 def test_merged_checkpoint_equals_base_plus_adapter(adapted, tmp_path, tiny_dir):
@@ -154,7 +158,7 @@ def test_notebook_30_report(hari_run, cli, tmp_path):
     runs, adapter_dir = hari_run
     proc = cli("run", "notebooks/30_adapter_inspection.ipynb", "-f", "params/tiny/30_adapter_inspection.yaml",
                "-p", "n_probe", "6", "-p", "n_generate", "2", "-p", "max_new_tokens", "8",
-               "--runs-dir", str(runs), "-q")  # adapter_dir "" → the newest HARI adapter in runs/
+               "--runs-dir", str(runs), "-q")  # adapter_dir latest → the newest HARI adapter in runs/
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next(d for d in runs.iterdir() if "30_adapter_inspection" in d.name)
     html = (run_dir / "report.html").read_text()

@@ -91,7 +91,7 @@ def test_failing_cell_gives_failed_status_and_partial_report(tmp_path, cli):
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"
     assert status["failed_cell"]["ename"] == "ChecksFailed"
-    assert "raise_if_failed" in status["failed_cell"]["source"]
+    assert "steps.finish(verdict)" in status["failed_cell"]["source"]
     html = (run_dir / "report.html").read_text()
     assert "gpu inventory" in html and "Verdict: FAIL" in html  # cells before the failure are kept
 

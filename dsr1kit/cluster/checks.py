@@ -190,10 +190,6 @@ def rows_frame(rows: Iterable[Row]):
     return pd.DataFrame([r.to_dict() for r in rows], columns=list(Row.__dataclass_fields__))
 
 
-class ChecksFailed(RuntimeError):
-    """Raised at the end of the cluster check so the run's status is failed."""
-
-
 def verdict(rows: list[Row]) -> tuple[str, list[str]]:
     """Overall status and one line per failing/warning check with its fix."""
     status = overall(rows)
@@ -211,12 +207,6 @@ def plan_rows(named_plans, host: str) -> list[Row]:
         fix = "" if plan.fits else "; ".join(plan.advice) or "; ".join(plan.problems())
         rows.append(Row(f"memory plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host))
     return rows
-
-
-def raise_if_failed(rows: list[Row]) -> None:
-    failed = [r for r in rows if r.status == FAIL]
-    if failed:
-        raise ChecksFailed("; ".join(f"{r.name} on {r.host}: {r.measured} → {r.fix}" for r in failed))
 
 
 # -- gathering the per-rank results (written by dsr1kit.cluster.rank_check) -------------------

@@ -39,6 +39,7 @@ class LoadedModel:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The kit's one tokenizer loader: token from the environment, pad = eos when missing, right padding."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, token=os.environ.get("HF_TOKEN"))
@@ -108,8 +109,9 @@ def dispatch_across_gpus(model, dm):
     return model
 
 
-def load_model(p, rank: int = 0) -> LoadedModel:
-    """Model + tokenizer for HARI parameters ``p`` (dsr1kit.params.HariParams)."""
+def load_model(p, rank: int = 0, tokenizer=None) -> LoadedModel:
+    """Model + tokenizer for HARI parameters ``p`` (dsr1kit.params.HariParams); a tokenizer already
+    loaded by load_tokenizer is reused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = tiny.resolve_model(p.model)
@@ -137,7 +139,7 @@ def load_model(p, rank: int = 0) -> LoadedModel:
     model.config.use_cache = False
     for param in model.parameters():
         param.requires_grad_(False)
-    tokenizer = load_tokenizer(path, p.trust_remote_code)
+    tokenizer = tokenizer or load_tokenizer(path, p.trust_remote_code)
     resized = ensure_vocab(model, tokenizer)
     if p.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

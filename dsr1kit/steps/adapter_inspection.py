@@ -1,4 +1,4 @@
-"""Adapter inspection in the steps notebook 30 shows: load → weights → probes → generations → merge → verdict."""
+"""Notebook 30, adapter inspection: load → weights → probes → generations → merge → verdict."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import torch
 from .. import params as P
 from ..data.plan import load_rows
 from ..paths import PROJECT_ROOT, resolve
-from ..inspection.adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter, latest_adapter,  # noqa: F401
-                      read_adapter, stats_frame)
+from ..inspection.adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter,  # noqa: F401
+                                  latest_adapter, read_adapter, stats_frame)
 from ..inspection.compare import ProbeResult, compare_on, encode_probe, generations, training_slices
 from ..inspection.merge import merge_into_copy, verify_merge, verify_merged_weights
+from . import FAIL, OK, WARN, StepFailed, Verdict
+
+
+class InspectionFailed(StepFailed):
+    """The adapter holds nothing: lora_B is zero in an adapted module."""
 
 
 def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
@@ -26,6 +31,15 @@ def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
     if found is None:
         raise AdapterError(f"no HARI adapter under {root}: run notebook 20 first or set adapter_dir")
     return found
+
+
+def open_adapter(p, run_dir: str | Path) -> Adapter:
+    """The adapter named by adapter_dir ('latest': the newest beside this run), read and checked."""
+    return read_adapter(find_adapter(p.adapter_dir, Path(run_dir).parent))
+
+
+def describe(adapter: Adapter) -> str:
+    return f"adapter: {adapter.path} (r={adapter.config.get('r')}, alpha={adapter.config.get('lora_alpha')})"
 
 
 def base_model_name(p, adapter: Adapter) -> str:
@@ -73,9 +87,19 @@ def compare_all(model, tokenizer, sets: dict[str, list[dict]], p) -> list[ProbeR
             for name, rows in sets.items()]
 
 
-def side_by_side(model, tokenizer, sets: dict[str, list[dict]], p) -> list[dict[str, str]]:
+def probe_frame(results: list[ProbeResult]):
+    """One row per probe set: KL(base‖adapted), top-1 agreement, CE of both models."""
+    import pandas as pd
+
+    return pd.DataFrame([r.row() for r in results])
+
+
+def side_by_side(model, tokenizer, sets: dict[str, list[dict]], p):
+    """Greedy answers of base and adapted model to the first n_generate rows of the first probe set."""
+    import pandas as pd
+
     rows = next(iter(sets.values()))[: p.n_generate]
-    return generations(model, tokenizer, rows, p.max_new_tokens, p.system_prompt)
+    return pd.DataFrame(generations(model, tokenizer, rows, p.max_new_tokens, p.system_prompt))
 
 
 def merge_and_verify(model, tokenizer, loaded, adapter: Adapter, out_dir: Path, sets,
@@ -98,21 +122,22 @@ def merge_and_verify(model, tokenizer, loaded, adapter: Adapter, out_dir: Path, 
     return {"checked": "logits: merged checkpoint vs base + adapter (fp32)", **check}
 
 
-def verdict(stats: list[ModuleStats], results: list[ProbeResult]) -> tuple[str, list[str]]:
-    """Did it learn (B ≠ 0, training-slice CE down) and how far did it move (retain KL)."""
+def verdict(stats: list[ModuleStats], results: list[ProbeResult]) -> Verdict:
+    """Did it learn (B ≠ 0: fail otherwise; training-slice CE down: warn otherwise) and how far did it move."""
     by_name = {r.name: r for r in results}
-    lines, status = [], "ok"
+    lines, status = [], OK
     zero_b = [s.module for s in stats if s.norm_b == 0]
-    lines.append("lora_B is non-zero in every module" if not zero_b else f"lora_B is all zero in {zero_b}")
+    headline = "lora_B is non-zero in every module" if not zero_b else f"lora_B is all zero in {zero_b}"
     if zero_b:
-        status = "fail"
+        status = FAIL
     train = by_name.get("training slice") or by_name.get("probe")
     if train:
         went_down = train.ce_adapted < train.ce_base
-        lines.append(f"CE on the {train.name}: {train.ce_base:.4f} → {train.ce_adapted:.4f} "
-                     f"({'down' if went_down else 'NOT down'})")
-        if not went_down:
-            status = "warn" if status == "ok" else status
+        line = (f"CE on the {train.name}: {train.ce_base:.4f} → {train.ce_adapted:.4f} "
+                f"({'down' if went_down else 'NOT down'})")
+        headline, lines = (line, [headline]) if not zero_b else (headline, [line])
+        if not went_down and status == OK:
+            status = WARN
     if "held-out" in by_name:
         h = by_name["held-out"]
         lines.append(f"CE on held-out rows: {h.ce_base:.4f} → {h.ce_adapted:.4f}")
@@ -123,7 +148,14 @@ def verdict(stats: list[ModuleStats], results: list[ProbeResult]) -> tuple[str, 
     ratios = [s.ratio for s in stats if s.ratio is not None]
     if ratios:
         lines.append(f"‖ΔW‖/‖W‖ from {min(ratios):.2e} to {max(ratios):.2e} over {len(stats)} modules")
-    return status, lines
+    return Verdict(status, headline, lines, InspectionFailed)
+
+
+def write_summary(run_dir: str | Path, stats, results, merge_check) -> Path:
+    """inspection.json: every module's numbers, every probe set's, and the merge check."""
+    path = Path(run_dir) / "inspection.json"
+    path.write_text(summary_json(stats, results, merge_check))
+    return path
 
 
 def summary_json(stats, results, merge_check) -> str:
@@ -131,5 +163,5 @@ def summary_json(stats, results, merge_check) -> str:
                        "merge": merge_check}, indent=2, default=str)
 
 
-__all__ = ["find_adapter", "memory_plans", "read_adapter", "inspect_adapter", "load_adapted", "probe_sets", "compare_all",
+__all__ = ["open_adapter", "describe", "write_summary", "find_adapter", "memory_plans", "read_adapter", "inspect_adapter", "load_adapted", "probe_sets", "compare_all",
            "side_by_side", "merge_and_verify", "verdict", "stats_frame"]

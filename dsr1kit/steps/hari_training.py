@@ -1,4 +1,4 @@
-"""HARI end to end, in the steps notebook 20 shows: data → model + LoRA → train → outputs.
+"""Notebook 20, HARI end to end: plan → data → model + LoRA → train → outputs → verdict.
 
 Each step is a function the notebook calls (and tables/plots its result);
 ``run`` chains them for ``python -m dsr1kit.train`` and the tests.
@@ -21,9 +21,26 @@ import torch
 from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadedModel, load_model
-from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary  # noqa: F401 (notebook API)
+from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary
 from ..train import dist
 from ..train.loop import TrainResult, train
+from . import FAIL, OK, WARN, StepFailed, Verdict
+
+
+class TrainingFailed(StepFailed):
+    """A step did not run, ranks disagree, or nothing was learned."""
+
+
+@dataclass
+class TrainingData:
+    """The encoded examples and, per source of the dataset plan, what was read and kept."""
+
+    encoded: EncodedSet
+    sources: list[dict[str, Any]]
+
+    def describe(self) -> str:
+        e = self.encoded
+        return f"{len(e.examples)} training examples; {e.skipped} rows skipped, {e.truncated} truncated"
 
 
 @dataclass
@@ -31,23 +48,36 @@ class Prepared:
     loaded: LoadedModel
     model: Any  # the PeftModel
     plan: LoraPlan
-    data: EncodedSet
-    sources: list[dict[str, Any]]
+    data: TrainingData
     info: dist.DistInfo
+
+    def model_table(self) -> dict[str, Any]:
+        """Quantization, placement, memory and exactly which modules carry adapters."""
+        lora = lora_summary(self.model, self.plan)
+        return {**{k: v for k, v in self.loaded.info.items() if k != "path"},
+                "adapted modules": ", ".join(lora["modules"]),
+                "trainable parameters": f"{lora['trainable_params']:,} ({lora['trainable_share']:.4%})"}
 
 
 def setup_dist() -> dist.DistInfo:
     return dist.init(dist.from_env())
 
 
-def prepare_data(p, tokenizer) -> tuple[EncodedSet, list[dict[str, Any]]]:
+def load_tokenizer(p):
+    """The model's tokenizer, loaded once: the data is encoded with it and the model load reuses it."""
+    from ..model.load import load_tokenizer as load
+    from ..tiny import resolve_model
+
+    return load(resolve_model(p.model), p.trust_remote_code)
+
+
+def prepare_data(p, tokenizer) -> TrainingData:
     loaded = load_rows(p.dataset, p.splits, p.sample_limit)
     encoded = encode_rows(tokenizer, loaded.rows, p.max_len, p.system_prompt)
     if not encoded.examples:
         raise ValueError(f"no trainable example: {encoded.skipped} rows lacked a question or answer and "
                          f"{encoded.no_target} lost every assistant token to max_len={p.max_len}")
-    sources = [asdict(r) for r in loaded.report]
-    return encoded, sources
+    return TrainingData(encoded, [asdict(r) for r in loaded.report])
 
 
 def memory_plan(p):
@@ -57,24 +87,23 @@ def memory_plan(p):
     return hari_plan(p, Machine.detect())
 
 
-def prepare_model(p, info: dist.DistInfo, plan=None) -> tuple[LoadedModel, Any, LoraPlan]:
+def prepare_model(p, info: dist.DistInfo, data: TrainingData, plan=None, tokenizer=None) -> Prepared:
     """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not)."""
     (plan or memory_plan(p)).check()
-    loaded = load_model(p, rank=info.rank)
+    loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
     torch.manual_seed(p.seed)  # identical LoRA init on every rank
-    model, plan = apply_lora(loaded.model, p)
-    return loaded, model, plan
+    model, lora_plan = apply_lora(loaded.model, p)
+    return Prepared(loaded, model, lora_plan, data, info)
 
 
 def prepare(p) -> Prepared:
     info = setup_dist()
-    loaded, model, plan = prepare_model(p, info)
-    data, sources = prepare_data(p, loaded.tokenizer)
-    return Prepared(loaded, model, plan, data, sources, info)
+    tokenizer = load_tokenizer(p)
+    return prepare_model(p, info, prepare_data(p, tokenizer), tokenizer=tokenizer)
 
 
 def run_training(prep: Prepared, p) -> TrainResult:
-    return train(prep.model, prep.loaded.tokenizer, prep.data.examples, p, p.run_dir,
+    return train(prep.model, prep.loaded.tokenizer, prep.data.encoded.examples, p, p.run_dir,
                  first_adapted_layer(prep.plan), prep.info)
 
 
@@ -96,12 +125,13 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
     """Adapter (PEFT format) + tokenizer + run_info.json, by rank 0 after a barrier."""
     hosts = dist.gather_hostnames()
     digests = dist.gather_strings(trainable_digest(prep.model))
+    data = prep.data.encoded
     run_dir = Path(p.run_dir)
     info = {
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "name": f"{_slug(p.dataset)}-n{len(prep.data.examples)}",
-        "dataset": p.dataset, "sources": prep.sources, "samples": len(prep.data.examples),
-        "skipped_rows": prep.data.skipped, "truncated": prep.data.truncated, "no_target": prep.data.no_target,
+        "name": f"{_slug(p.dataset)}-n{len(data.examples)}",
+        "dataset": p.dataset, "sources": prep.data.sources, "samples": len(data.examples),
+        "skipped_rows": data.skipped, "truncated": data.truncated, "no_target": data.no_target,
         "epochs": p.epochs, "batch_size": p.batch_size, "grad_accum": p.grad_accum, "max_len": p.max_len,
         "world_size": prep.info.world_size, "hosts": hosts, "rank_digests": digests,
         "ranks_agree": len(set(digests)) == 1, "steps_done": result.steps_done,
@@ -143,34 +173,32 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
-def verdict(result: TrainResult, model, outputs: dict[str, Any], history: list[dict[str, Any]]) -> tuple[str, list[str]]:
+def verdict(result: TrainResult, prep: Prepared, outputs: dict[str, Any], history: list[dict[str, Any]]) -> Verdict:
     """ok when every step ran, every adapted module's lora_B is non-zero and the adapter was written."""
-    norms = lora_b_norms(model)
+    norms = lora_b_norms(prep.model)
     zero = [m for m, v in norms.items() if v == 0.0]
-    lines = [f"steps done: {result.steps_done} of {result.total_steps}"
-             + (f" (resumed from step {result.resumed_from})" if result.resumed_from else "")]
+    steps_line = (f"steps done: {result.steps_done} of {result.total_steps}"
+                  + (f" (resumed from step {result.resumed_from})" if result.resumed_from else ""))
+    lines = [steps_line]
     if history:
-        lines.append(f"loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f} (CE {history[0]['ce']:.4f} → "
-                     f"{history[-1]['ce']:.4f}, KL {history[-1]['kl']:.2e} at the end)")
+        headline = (f"loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f} (CE {history[0]['ce']:.4f} → "
+                    f"{history[-1]['ce']:.4f}, KL {history[-1]['kl']:.2e} at the end)")
+    else:
+        headline, lines = steps_line, []
     lines += [f"‖lora_B‖ {m}: {v:.3e}" for m, v in norms.items()]
+
+    def done(status: str, *more: str) -> Verdict:
+        return Verdict(status, headline, lines + list(more), TrainingFailed)
+
     if result.preempted:
-        lines.append("preempted: checkpoint saved; requeue the job (same run folder) to resume")
-        return "warn", lines
+        return done(WARN, "preempted: checkpoint saved; requeue the job (same run folder) to resume")
     if not outputs.get("ranks_agree", True):
-        lines.append(f"ranks ended with different adapters: {outputs.get('rank_digests')}")
-        return "fail", lines
+        return done(FAIL, f"ranks ended with different adapters: {outputs.get('rank_digests')}")
     if zero:
-        lines.append(f"lora_B is still zero in {zero}: nothing was learned there (raise lr or steps)")
-        return "fail", lines
-    lines.append(f"adapter: {outputs.get('adapter_dir')}")
-    return ("ok" if result.steps_done == result.total_steps else "fail"), lines
+        return done(FAIL, f"lora_B is still zero in {zero}: nothing was learned there (raise lr or steps)")
+    return done(OK if result.steps_done == result.total_steps else FAIL, f"adapter: {outputs.get('adapter_dir')}")
 
 
-class TrainingFailed(RuntimeError):
-    """The verdict is fail: raised so the run's status is failed."""
-
-
-def finish(status: str, lines: list[str]) -> None:
+def close() -> None:
+    """Leave the process group (before finish() may fail the run, so no rank waits on it)."""
     dist.shutdown()
-    if status == "fail":
-        raise TrainingFailed("; ".join(lines))

@@ -1,22 +1,64 @@
-"""What notebook 10 calls: model/tokenizer lookup, the server choreography, tables and the latency figure."""
+"""Notebook 10, serving and evaluation: model → prompts → plan → servers → parity → answers → scores → verdict."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..infer import evaluate
 from ..infer.client import read_answers
+from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
 def load_model_and_tokenizer(model: str):
     """(local model path or hub name, tokenizer); 'tiny' builds the embedded model once."""
-    from transformers import AutoTokenizer
-
+    from ..model.load import load_tokenizer
     from ..tiny import resolve_model
 
     path = resolve_model(model)
-    return path, AutoTokenizer.from_pretrained(path)
+    return path, load_tokenizer(path)
+
+
+def resolve_adapter(p, run_dir: str | Path):
+    """lora_adapter as a folder: '' → None (base only), 'latest' → newest HARI adapter beside this run."""
+    from ..infer.adapters import resolve_adapter as resolve
+
+    return resolve(p.lora_adapter, run_dir)
+
+
+@dataclass
+class Prompts:
+    """The evaluation rows as served prompts, split by whether they fit the context."""
+
+    context: Any  # evaluate.ContextFilter: kept and excluded prompts
+    totals: dict[str, int]
+    served_example: str
+
+    @property
+    def kept(self):
+        return self.context.kept
+
+    def describe(self) -> str:
+        lines = [self.context.describe()]
+        if self.context.excluded:
+            lines.append("excluded ids: " + ", ".join(e["id"] for e in self.context.excluded))
+        lines.append(f"first prompt as served: {self.served_example!r}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        return {"n_total": self.context.total, "n_scored": len(self.kept), "served_prompt_example": self.served_example,
+                "excluded_ids": [e["id"] for e in self.context.excluded]}
+
+
+def prepare_prompts(p, tokenizer) -> Prompts:
+    """Rows → chat prompts formatted as in training → the context filter (max_model_len - max_new_tokens)."""
+    rows = evaluate.load_rows(p.eval_dataset, p.eval_limit)
+    prompts = evaluate.build_prompts(rows, tokenizer, p.system_prompt)
+    ctx = evaluate.filter_by_context(prompts, p.max_model_len, p.max_new_tokens)
+    served = tokenizer.decode(ctx.kept[0].token_ids) if ctx.kept else ""
+    return Prompts(ctx, evaluate.category_totals(prompts), served)
 
 
 @contextlib.contextmanager
@@ -134,12 +176,6 @@ class ServedEval:
                                                           evaluate.results_path(run_dir, "adapter"), p)
         return self.stats
 
-    def finish(self) -> None:
-        """Stop the server; fail the run when the adapter changes nothing (the served merge scores as the base)."""
-        self.stop()
-        if self.parity is not None and self.parity.verdict == "no-effect":
-            raise AdapterHasNoEffect("; ".join(self.parity.lines()))
-
     @property
     def adapter_how(self) -> str:
         return "served as LoRA (parity: applied)" if self.serve_lora else "merged into a copy of the base"
@@ -149,7 +185,7 @@ class ServedEval:
             self.server.stop()
 
 
-class AdapterHasNoEffect(RuntimeError):
+class AdapterHasNoEffect(StepFailed):
     """The served merge answers as the base: the run fails instead of reporting an adapter that is not there."""
 
 
@@ -157,6 +193,19 @@ def headline(tables) -> str:
     """One line per run: each model's overall accuracy with the n of N it was scored on."""
     overall = {label: t.iloc[0] for label, t in tables.items()}
     return "; ".join(f"{k} {r['accuracy']:.1%} (scored on {r['scored_on']})" for k, r in overall.items())
+
+
+def verdict(tables, parity=None) -> Verdict:
+    """Accuracy of each model as the headline; fail when the adapter changes nothing (a merge that answers
+    as the base), warn when parity could not confirm that vLLM serves the trained adapter."""
+    lines = [f"{label}: {r['accuracy']:.1%}, 95% CI [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}], "
+             f"{r['correct']} correct, scored on {r['scored_on']}"
+             for label, r in ((label, t.iloc[0]) for label, t in tables.items())]
+    status = OK
+    if parity is not None:
+        lines += parity.lines()
+        status = FAIL if parity.verdict == "no-effect" else (OK if parity.status == "pass" else WARN)
+    return Verdict(status, headline(tables) if tables else "nothing was scored", lines, AdapterHasNoEffect)
 
 
 def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
@@ -190,6 +239,17 @@ def accuracy_frame(tables):
 
     cols = ["model", "category", "accuracy", "ci95_low", "ci95_high", "correct", "scored_on"]
     return pd.concat([t.assign(model=label) for label, t in tables.items()])[cols]
+
+
+def accuracy_table(frame):
+    """accuracy_frame styled for the report: percentages, no index."""
+    return frame.style.format({"accuracy": "{:.1%}", "ci95_low": "{:.1%}", "ci95_high": "{:.1%}"}).hide(axis="index")
+
+
+def throughput_table(stats) -> dict[str, str]:
+    """Per model: tokens/s, requests/s and latency percentiles, one line each."""
+    return {k: f"{s.tokens_per_s:.1f} tok/s, {s.summary()['requests_per_s']} req/s, "
+               f"p50 {s.percentiles()['p50']:.2f} s, p90 {s.percentiles()['p90']:.2f} s" for k, s in stats.items()}
 
 
 def comparison_frame(tables, examples):

@@ -1,0 +1,91 @@
+"""Notebook 00: this node's environment, the ranks' checks, Ray, the memory plans of the steps to come, a verdict.
+
+Under Slurm one ``srun`` task per node has written its rows to ``rank_results_dir``; outside it,
+``local_ranks`` processes run here now. Each failing row carries its fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..cluster import checks
+from . import FAIL, OK, WARN, StepFailed, Verdict
+
+
+class ChecksFailed(StepFailed):
+    """A check failed: the allocation is not ready for the expensive steps."""
+
+
+def environment_table() -> dict[str, Any]:
+    """Host, Python, key packages and accelerators as this notebook's node sees them."""
+    from ..environment import collect_environment
+
+    env = collect_environment()
+    return {"host": env["hostname"], "python": env["python"], "cpus": env["cpus"],
+            "cuda": env["accelerators"]["cuda_available"], "git": env["git"]["sha"],
+            "slurm job": env["slurm"].get("SLURM_JOB_ID", "-"),
+            **{f"pkg {k}": v or "-" for k, v in env["packages"].items()}}
+
+
+@dataclass
+class Ranks:
+    rows: list[dict[str, Any]]
+    folder: Path
+
+    @property
+    def node_ips(self) -> dict[str, str]:
+        return {r["node_ip"]: r["node"] for r in self.rows if r["node_ip"]}
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({r["node"] for r in self.rows})
+
+    def describe(self) -> str:
+        return f"{len(self.rows)} ranks on {len(self.nodes)} nodes, from {self.folder}"
+
+
+def gather_ranks(p, run_dir: Path) -> Ranks:
+    """The per-rank rows written by srun, or those of `local_ranks` processes started here now."""
+    from ..cluster import rank_check
+    from ..paths import resolve
+
+    folder = resolve(p.rank_results_dir) if p.rank_results_dir else rank_check.run_local(p, run_dir / "ranks")
+    return Ranks(checks.load_ranks(folder), Path(folder))
+
+
+def ray_check(p, ranks: Ranks) -> tuple[dict | None, list[checks.Row]]:
+    """The Ray cluster at ray_address: every node joined, GPUs as expected (None, [] when not asked)."""
+    if not p.ray_address:
+        return None, []
+    from ..cluster import ray as cluster_ray
+
+    state = cluster_ray.cluster_state(p.ray_address)
+    rows = cluster_ray.ray_rows(state, p.expected_nodes, p.ray_expected_gpus,
+                                expected=[(name, ip) for ip, name in ranks.node_ips.items()])
+    return state, rows
+
+
+def memory_plans(p) -> list[tuple[str, Any]]:
+    """Each plan_files entry planned against the GPUs and host memory found here."""
+    from ..plan import Machine, plans_for_files
+
+    return plans_for_files(p.plan_files, Machine.detect())
+
+
+def plans_text(plans) -> str:
+    if not plans:
+        return "no plan_files given: no step planned"
+    return "\n\n".join(plan.text() if plan.fits else plan.refusal() for _, plan in plans)
+
+
+def check_rows(p, ranks: Ranks, ray_rows: list[checks.Row], plans) -> list[checks.Row]:
+    """Every row of the report: the ranks' checks, Ray's, and one per memory plan."""
+    return checks.gathered_rows(ranks.rows, p.expected_nodes) + ray_rows + checks.plan_rows(plans, checks.node_name())
+
+
+def verdict(rows: list[checks.Row]) -> Verdict:
+    """fail when any check fails (each with its fix), warn when one warns, else ok."""
+    status, lines = checks.verdict(rows)
+    return Verdict({checks.PASS: OK, checks.WARN: WARN}.get(status, FAIL), lines[0], lines[1:], ChecksFailed)
