@@ -18,7 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SECRET_NAME = re.compile(r"(token|secret|password|passwd|api_?key|credential)", re.I)
+# A name part such as hf_token, HF_TOKEN, --api-key, secret_key (not max_new_tokens, not --tokenizer).
+SECRET_NAME = re.compile(r"(?:^|[_\-.])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[_\-.])", re.I)
 SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,})$")
 # Keys that contain a secret-ish word but hold no secret.
 NOT_SECRET = {"max_new_tokens", "max_num_batched_tokens", "kl_tokens"}
@@ -51,7 +52,10 @@ class NotebookParams(BaseModel):
     def validate_dict(cls, values: dict[str, Any]) -> "NotebookParams":
         """Validate a flat dict; raise ParamsError listing all problems."""
         name = cls.model_fields["notebook"].default
-        problems = _secret_problems(values)
+        problems = [f"key {k!r} ({type(k).__name__}) is not a parameter name: keys are words such as 'lr'; "
+                    f"quote it in YAML if it is one" for k in values if not isinstance(k, str)]
+        values = {k: v for k, v in values.items() if isinstance(k, str)}
+        problems += _secret_problems(values)
         clean = {k: v for k, v in values.items() if not _looks_secret(k, v)}
         try:
             model = cls(**clean)
@@ -71,21 +75,52 @@ class NotebookParams(BaseModel):
 
 
 def _looks_secret(key: str, value: Any) -> bool:
-    name_hit = bool(SECRET_NAME.search(key)) and key not in NOT_SECRET
-    value_hit = isinstance(value, str) and bool(SECRET_VALUE.match(value.strip()))
-    return name_hit or value_hit
+    """A top-level key or value that is (or holds) a secret."""
+    return bool(_secret_paths(key, value))
+
+
+def _secret_name(name: str) -> bool:
+    name = name.lstrip("-")
+    return bool(SECRET_NAME.search(name)) and name.replace("-", "_") not in NOT_SECRET
+
+
+def _secret_paths(path: str, value: Any) -> list[str]:
+    """Where in `value` (named `path`) a secret sits: a secret-like name, a token-shaped string, a dict
+    entry named like one (``server_env: {HF_TOKEN: …}``), or the value after a secret-named flag in a list
+    (``extra_args: [--api-key, sk-…]`` or ``--api-key=…``)."""
+    if _secret_name(path.rsplit(".", 1)[-1].split("[", 1)[0].lstrip("-")) and value not in ("", None, [], {}):
+        return [path]
+    if isinstance(value, str):
+        return [path] if SECRET_VALUE.match(value.strip()) else []
+    found: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found += _secret_paths(f"{path}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            flag = isinstance(item, str) and item.startswith("-") and _secret_name(item.split("=", 1)[0])
+            if flag and "=" in item and item.split("=", 1)[1]:
+                found.append(f"{path}[{i}]")
+            elif flag and i + 1 < len(value):
+                found.append(f"{path}[{i + 1}]")
+            elif not (i > 0 and f"{path}[{i}]" in found):
+                found += _secret_paths(f"{path}[{i}]", item)
+    return found
 
 
 def _secret_problems(values: dict[str, Any]) -> list[str]:
     out = []
     for key, value in values.items():
-        if _looks_secret(key, value):
-            env = next((v for k, v in SECRET_ENV_HINT.items() if k in key.lower()), "HF_TOKEN")
-            what = f"'{key}'" if SECRET_NAME.search(key) else f"the value of '{key}'"
+        for where in _secret_paths(str(key), value):
+            env = next((v for k, v in SECRET_ENV_HINT.items() if k in where.lower()), "HF_TOKEN")
+            leaf = where.rsplit(".", 1)[-1]
+            if "." in where and _secret_name(leaf):
+                env = leaf  # server_env: {VLLM_API_KEY: …} → export VLLM_API_KEY
+            what = f"'{where}'" if SECRET_NAME.search(where) and "[" not in where else f"the value of '{where}'"
             out.append(
-                f"{what} looks like a secret: secrets are never parameters (they would be "
-                f"written into the report); remove it and export it in the environment "
-                f"instead, e.g. `export {env}=...`"
+                f"{what} looks like a secret: secrets are never parameters (they would be written into the "
+                f"report and params.yaml); remove it and export it in the environment instead, e.g. "
+                f"`export {env}=...` (servers and ranks inherit the environment)"
             )
     return out
 
@@ -297,10 +332,19 @@ def parse_override(raw: str) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A params file as a flat dict; a missing file or a YAML error is a ParamsError naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"parameter file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+        near = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        hint = f"; in {path.parent}: {', '.join(near)}" if near else ""
+        raise ParamsError(path.name, [f"parameter file not found: {path}{hint}"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ParamsError(path.name, [f"{path}:{where}: not valid YAML ({problem}); each line is `key: value`"]) from None
     if not isinstance(data, dict):
         raise ParamsError(path.name, [f"{path} must hold a mapping of key: value, got {type(data).__name__}"])
     return data

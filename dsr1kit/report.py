@@ -172,7 +172,9 @@ def run_notebook(
 
     notebook = Path(notebook)
     if not notebook.is_file():
-        raise FileNotFoundError(f"notebook not found: {notebook}")
+        known = sorted(p.name for p in (PROJECT_ROOT / "notebooks").glob("*.ipynb"))
+        raise FileNotFoundError(f"notebook not found: {notebook}; the kit's notebooks: "
+                                + ", ".join(f"notebooks/{k}" for k in known))
     p = P.load(notebook, param_files, overrides)
     if run_dir:
         p.run_dir = str(Path(run_dir).resolve())
@@ -231,9 +233,13 @@ def list_runs(runs_root: str | Path = "runs") -> list[dict[str, Any]]:
     for status_file in sorted(Path(runs_root).glob(f"*/{STATUS}")):
         try:
             s = json.loads(status_file.read_text())
-        except (OSError, json.JSONDecodeError):
+            if not isinstance(s, dict):
+                raise ValueError(f"holds a {type(s).__name__}, not an object")
+        except (OSError, ValueError) as err:  # listed, not dropped: the run folder is still there
+            rows.append({"id": status_file.parent.name, "notebook": "?", "status": "unreadable",
+                         "duration_s": None, "headline": f"{STATUS}: {str(err).splitlines()[0][:80]}"})
             continue
-        summary = s.get("summary") or {}
+        summary = s.get("summary") if isinstance(s.get("summary"), dict) else {}
         rows.append({
             "id": s.get("run_id", status_file.parent.name), "notebook": s.get("notebook", "?"),
             "status": s.get("status", "?"), "duration_s": s.get("duration_s"),

@@ -62,7 +62,7 @@ def test_folder_source_reads_split_files_and_skips_missing_with_reason(tmp_path)
     import pandas as pd
 
     pd.DataFrame(ROWS[4:6]).to_parquet(d / "test.parquet")
-    with pytest.warns(UserWarning, match=r"@validation skipped: FileNotFoundError"):
+    with pytest.warns(UserWarning, match=r"@validation skipped: MissingSplit"):
         loaded = plan.load_rows(str(d))
     assert len(loaded.rows) == 6
     assert [(r.split, r.status, r.rows) for r in loaded.report] == [
@@ -71,12 +71,24 @@ def test_folder_source_reads_split_files_and_skips_missing_with_reason(tmp_path)
 
 def test_zero_rows_names_every_source_tried(tmp_path):
     empty = _jsonl(tmp_path / "empty.jsonl", [])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    other = _jsonl(tmp_path / "other.jsonl", [])
+    with pytest.raises(plan.DatasetPlanError) as err:
+        plan.load_rows(f"{empty},{other}")
+    assert "yielded no rows" in str(err.value)
+    assert "empty.jsonl@train: no rows" in str(err.value) and "other.jsonl@train: no rows" in str(err.value)
+
+
+def test_one_broken_source_stops_the_plan_instead_of_training_on_the_rest(tmp_path):
+    good = _jsonl(tmp_path / "good.jsonl", ROWS[:4])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "b"}\n{oops\n')
+    for broken, reason in [(f"{tmp_path}/missing.jsonl", "missing.jsonl@train: FileNotFoundError: local file "),
+                           (str(bad), "bad.jsonl@train: ValueError: line 2 is not JSON"),
+                           (f"{tmp_path}@validation", "@validation: MissingSplit: no validation")]:
         with pytest.raises(plan.DatasetPlanError) as err:
-            plan.load_rows(f"{empty},{tmp_path}/missing.jsonl")
-    assert "empty.jsonl@train" in str(err.value) and "missing.jsonl@train" in str(err.value)
-    assert "does not exist" in str(err.value)
+            plan.load_rows(f"{good},{broken}")
+        assert "cannot be read" in str(err.value) and reason in str(err.value), str(err.value)
+        assert "Fix each source or remove it from the plan" in str(err.value)
 
 
 def test_corrupt_line_is_a_skipped_split_with_the_line_number(tmp_path):

@@ -8,8 +8,10 @@ Two forms, as in the recipe:
 
 A source is a local file (json, jsonl, parquet), a local folder holding
 ``<split>.<ext>`` files, or a hub dataset name (clusters only; tests and the
-demo use local files). An unreadable split is skipped with a warning giving
-the reason; no row at all is an error naming every source tried.
+demo use local files). A default split a source does not have (many sets
+have no validation split) is skipped and reported; a source or a requested
+split that cannot be read is an error naming each one and its reason, since
+training on part of the data without noticing is worse than stopping.
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ def _read_local_file(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"unsupported file type {path.suffix}; use one of {', '.join(LOCAL_EXTS)}")
 
 
+class MissingSplit(FileNotFoundError):
+    """The source has no such split (only skipped when the split was a default, not asked for)."""
+
+
 def _read_split(source: Source, split: str, explicit: bool) -> list[dict[str, Any]]:
     path = resolve(source.name)
     if path.is_file():
@@ -137,12 +143,17 @@ def _read_split(source: Source, split: str, explicit: bool) -> list[dict[str, An
             candidate = path / f"{split}{ext}"
             if candidate.is_file():
                 return _read_local_file(candidate)
-        raise FileNotFoundError(f"no {split}.jsonl/.json/.parquet in {path}")
+        raise MissingSplit(f"no {split}.jsonl/.json/.parquet in {path}")
     if source.name.startswith((".", "/")) or Path(source.name).suffix in LOCAL_EXTS:
         raise FileNotFoundError(f"local file {source.name} does not exist")
     from datasets import load_dataset  # hub: only reached on clusters
 
-    return list(load_dataset(source.name, split=split))
+    try:
+        return list(load_dataset(source.name, split=split))
+    except ValueError as err:
+        if "Unknown split" in str(err):
+            raise MissingSplit(str(err)) from None
+        raise
 
 
 def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_SPLITS,
@@ -151,6 +162,7 @@ def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_S
     sources = parse_plan(plan)
     rows: list[dict[str, Any]] = []
     report: list[SplitReport] = []
+    broken: list[str] = []
     for source in sources:
         explicit = source.splits is not None
         splits = source.splits if explicit else tuple(default_splits)
@@ -162,10 +174,13 @@ def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_S
                 break
             try:
                 got = _read_split(source, split, explicit)
-            except Exception as err:  # noqa: BLE001 - any reader failure skips the split, with its reason
+            except Exception as err:  # noqa: BLE001 - every reader failure is reported with its reason
                 reason = f"{type(err).__name__}: {err}"
-                warnings.warn(f"dataset {source.name}@{split} skipped: {reason}", stacklevel=2)
                 report.append(SplitReport(source.name, split, "skipped", 0, reason))
+                if isinstance(err, MissingSplit) and not explicit:
+                    warnings.warn(f"dataset {source.name}@{split} skipped: {reason}", stacklevel=2)
+                else:
+                    broken.append(f"{source.name}@{split}: {reason}")
                 continue
             if source.max_n is not None:
                 got = got[: source.max_n - taken]
@@ -176,6 +191,10 @@ def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_S
                 rows.append(row)
             taken += len(got)
             report.append(SplitReport(source.name, split, "ok", len(got)))
+    if broken:
+        raise DatasetPlanError("the dataset plan has sources that cannot be read (training on the rest would "
+                               "silently use part of the data): " + "; ".join(broken)
+                               + ". Fix each source or remove it from the plan")
     if sample_limit:
         rows = rows[:sample_limit]
     if not rows:

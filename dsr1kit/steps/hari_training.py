@@ -160,6 +160,7 @@ def lora_b_norms(model) -> dict[str, float]:
 def run(p) -> dict[str, Any]:
     started = time.monotonic()
     Path(p.run_dir).mkdir(parents=True, exist_ok=True)
+    check_resume(p)  # before loading anything
     prep = prepare(p)
     try:
         result = run_training(prep, p)
@@ -169,8 +170,17 @@ def run(p) -> dict[str, Any]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    from ..train.loop import read_metric_lines
+
+    return read_metric_lines(Path(run_dir) / "metrics.jsonl")
+
+
+def check_resume(p):
+    """With resume on, the run folder's checkpoint must have been made by these parameters: checked before
+    loading anything (ResumeMismatch lists each difference). Returns the checkpoint, or None."""
+    from ..train import checkpoint
+
+    return checkpoint.check_resumable(p.run_dir, p.to_dict()) if p.resume else None
 
 
 def verdict(result: TrainResult, prep: Prepared, outputs: dict[str, Any], history: list[dict[str, Any]]) -> Verdict:

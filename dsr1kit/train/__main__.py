@@ -10,7 +10,11 @@ import argparse
 import json
 import sys
 
+from ..data.plan import DatasetPlanError
 from ..params import ParamsError, load, parse_override
+from ..plan import PlanError
+from .checkpoint import ResumeMismatch
+from .loop import OptimizerUnavailable
 from ..steps.hari_training import run
 
 
@@ -27,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    info = run(p)
+    try:
+        info = run(p)
+    except (DatasetPlanError, PlanError, ResumeMismatch, OptimizerUnavailable) as err:
+        print(f"error: {err}", file=sys.stderr)  # the cause and the fix; nothing done is lost
+        return 2
     print(json.dumps({k: info[k] for k in ("steps_done", "total_steps", "preempted", "hosts")}))
     return 0
 

@@ -9,6 +9,7 @@ moment leaves either the previous or the new checkpoint, never half of one.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -44,6 +45,8 @@ def save(run_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save(state, tmp / "state.pt")
+    if "params" in state:  # readable without torch.load, before any model is loaded
+        (tmp / "params.json").write_text(json.dumps(state["params"], indent=1, sort_keys=True))
     with open(tmp / "state.pt", "rb") as f:
         os.fsync(f.fileno())
     if final.exists():
@@ -64,6 +67,45 @@ def latest(run_dir: str | Path) -> Path | None:
         return None
     path = pointer.parent / pointer.read_text().strip() / "state.pt"
     return path if path.is_file() else None
+
+
+# What a resumed run may change: where and how often it writes, where layers sit. Anything else (data,
+# model, LoRA shape, optimisation, loss) would mix two runs in one adapter or fail on a shape mismatch.
+MAY_CHANGE_ON_RESUME = frozenset({"run_dir", "resume", "log_every", "save_every", "offload_dir", "device_map",
+                                  "max_memory_gib_per_gpu", "cpu_max_memory_gib", "grad_checkpointing"})
+
+
+class ResumeMismatch(ValueError):
+    """The run folder's checkpoint was made with other parameters than this run's."""
+
+
+def saved_params(path: str | Path) -> dict[str, Any] | None:
+    """The parameters a checkpoint (its state.pt path) was written with, None when it predates them."""
+    path = Path(path)
+    side = path.parent / "params.json"
+    if side.is_file():
+        return json.loads(side.read_text())
+    saved = load(path).get("params")
+    return dict(saved) if saved is not None else None
+
+
+def check_resumable(run_dir: str | Path, params: dict[str, Any]) -> Path | None:
+    """The checkpoint to resume from, after checking it was made by these parameters; ResumeMismatch names
+    every difference (saved → now) and what to do, before anything is loaded."""
+    ckpt = latest(run_dir)
+    if ckpt is None:
+        return None
+    saved = saved_params(ckpt)
+    if saved is None:
+        return ckpt
+    diff = [f"{k}: {saved.get(k)!r} → {params.get(k)!r}" for k in sorted(set(saved) | set(params))
+            if k not in MAY_CHANGE_ON_RESUME and saved.get(k) != params.get(k)]
+    if diff:
+        raise ResumeMismatch(
+            f"{ckpt.parent} was written with other parameters: {'; '.join(diff)}. Resuming would mix two runs. "
+            f"Start a new run folder (run_dir '' or another --run-dir), or put the old values back to resume "
+            f"(the checkpoint stays as it is)")
+    return ckpt
 
 
 def load(path: str | Path) -> dict[str, Any]:

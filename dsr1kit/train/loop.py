@@ -93,14 +93,21 @@ def peak_memory_gib() -> dict[str, float]:
     return {"cpu_rss": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
 
+class OptimizerUnavailable(ImportError):
+    """CUDA without bitsandbytes: the run would silently use another optimizer than configured."""
+
+
 def make_optimizer(params: list[torch.nn.Parameter], lr: float):
+    """PagedAdamW8bit on CUDA (the QLoRA optimizer), AdamW on CPU where bitsandbytes has no paged optimizer."""
     if torch.cuda.is_available():
         try:
             import bitsandbytes as bnb
-
-            return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=0.0)
-        except ImportError:
-            pass
+        except ImportError as err:
+            raise OptimizerUnavailable(
+                f"CUDA is available but bitsandbytes does not import ({err}): HARI's GPU optimizer is "
+                f"PagedAdamW8bit. Install it (`pip install bitsandbytes`, or `conda env update -f environment.yml`)"
+            ) from None
+        return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=0.0)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
@@ -113,11 +120,24 @@ def _append_metrics(path: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def read_metric_lines(path: Path) -> list[dict[str, Any]]:
+    """Every whole metric line; a line torn by a kill mid-write (not JSON) is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
 def _truncate_metrics(path: Path, after_step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from."""
+    """Drop metric lines written after the checkpoint we resume from (and any torn line)."""
     if path.is_file():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
-        path.write_text("".join(line + "\n" for line in keep))
+        keep = [row for row in read_metric_lines(path) if row["step"] <= after_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in keep))
 
 
 def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, info: dist.DistInfo) -> TrainResult:
@@ -137,7 +157,7 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
 
     # --- resume: weights, optimizer, scheduler, RNG and data position from the latest checkpoint
     start = 0
-    ckpt = checkpoint.latest(run_dir) if p.resume else None
+    ckpt = checkpoint.check_resumable(run_dir, p.to_dict()) if p.resume else None
     if ckpt is not None:
         state = checkpoint.load(ckpt)
         with torch.no_grad():
