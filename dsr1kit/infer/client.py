@@ -22,11 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-RETRY_STATUS = {500, 502, 503, 504}
+RETRY_STATUS = {429, 500, 502, 503, 504}  # overload and server faults: worth another try after a pause
 
 
 class ClientError(RuntimeError):
     """Requests failed after retries; answers already received are kept in the JSONL file."""
+
+
+class RequestRefused(ClientError):
+    """The server refused a request (HTTP 4xx): not an answer, so nothing is stored and a rerun asks again."""
 
 
 @dataclass
@@ -65,7 +69,8 @@ class Stats:
 
 
 def read_answers(path: str | Path) -> dict[str, dict]:
-    """id -> answer row from a results JSONL (later rows win; a torn last line is ignored)."""
+    """id -> answer row from a results JSONL (later rows win; a torn last line, and an error row that an
+    older version stored, are ignored: those ids are asked again)."""
     rows: dict[str, dict] = {}
     path = Path(path)
     if not path.is_file():
@@ -75,7 +80,8 @@ def read_answers(path: str | Path) -> dict[str, dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        rows[str(row["id"])] = row
+        if isinstance(row, dict) and "id" in row and not row.get("error"):
+            rows[str(row["id"])] = row
     return rows
 
 
@@ -103,8 +109,9 @@ class CompletionClient:
                     text = await resp.text()
                 if resp.status in RETRY_STATUS:
                     last = ClientError(f"HTTP {resp.status}: {text[:200]}")
-                elif resp.status >= 400:  # a bad request does not get better by retrying
-                    return {"error": f"HTTP {resp.status}: {text[:300]}"}
+                elif resp.status >= 400:  # a refused request does not get better by retrying, nor is it an answer
+                    raise RequestRefused(f"the server refused a request for model '{self.model}' with HTTP "
+                                         f"{resp.status}: {text[:300]}")
                 else:
                     return json.loads(text)
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # connection refused/reset, timeout
@@ -165,9 +172,10 @@ class CompletionClient:
                     await asyncio.gather(*tasks, return_exceptions=True)
                     stats.wall_s = time.perf_counter() - t0
                     kept = len(read_answers(out_path))
-                    raise ClientError(f"{err}; {kept} of {len(requests)} answers kept in {out_path}; "
-                                      f"restart the server and rerun to ask only the other "
-                                      f"{len(requests) - kept}") from err
+                    fix = ("fix what the server refused" if isinstance(err, RequestRefused)
+                           else "restart the server")
+                    raise type(err)(f"{err}; {kept} of {len(requests)} answers kept in {out_path}; {fix} and "
+                                    f"rerun to ask only the other {len(requests) - kept}") from err
         stats.wall_s = time.perf_counter() - t0
         return stats
 

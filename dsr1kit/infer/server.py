@@ -110,6 +110,16 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
 
+def _status_hint(status: int, model: str) -> str:
+    """What a 4xx from a vLLM server usually means, and what to change."""
+    if status == 404:
+        return (f"the server does not know the model '{model}' or the route: check served_model_name / lora_name, "
+                f"and that nothing else listens on this port")
+    if status in (401, 403):
+        return "the server wants an API key: export it in the environment (never a parameter)"
+    return "the server refuses the request's arguments: the body above names which"
+
+
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = Path(path).read_text(errors="replace").splitlines()
@@ -134,7 +144,7 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> t
             body = resp.read().decode(errors="replace")
             status = resp.status
     except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(errors="replace")
+        body, status = err.read().decode(errors="replace"), err.code
     try:
         return status, json.loads(body) if body else None
     except json.JSONDecodeError:
@@ -205,9 +215,15 @@ class VLLMServer:
         return self
 
     def wait_ready(self, timeout_s: float | None = None, poll_s: float = 1.0) -> dict[str, float]:
-        """Block until /health is 200 and a one-token completion succeeds; raise ServerError otherwise."""
+        """Block until /health is 200 and a one-token completion succeeds; raise ServerError otherwise.
+
+        Connection errors and 5xx mean "still loading" and are waited out; a 4xx (other than 429) does not
+        go away by waiting (a wrong model name, a refused argument, another service on the port), so it
+        fails at once with the status and body instead of after ready_timeout_s.
+        """
         timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         deadline = self._t0 + timeout_s
+        self._last_answer = "none (connection refused or no answer)"
         while time.monotonic() < deadline:
             self._raise_if_exited()
             if "health_s" not in self.phases and self._healthy():
@@ -218,8 +234,9 @@ class VLLMServer:
             time.sleep(poll_s)
         reached = "health OK but no completion" if "health_s" in self.phases else "no /health 200"
         self.stop()
-        raise ServerError(f"vLLM server not ready after {timeout_s:.0f} s ({reached}); raise ready_timeout_s "
-                          f"if the model is still loading. Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+        raise ServerError(f"vLLM server not ready after {timeout_s:.0f} s ({reached}; last answer: "
+                          f"{self._last_answer}); raise ready_timeout_s if the model is still loading. "
+                          f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
 
     def _raise_if_exited(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -228,19 +245,29 @@ class VLLMServer:
             raise ServerError(f"vLLM server exited early with code {code}. Log {self.log_path}, "
                               f"last lines:\n{log_tail(self.log_path)}")
 
-    def _healthy(self) -> bool:
+    def _probe(self, what: str, url: str, payload: dict | None, timeout: float) -> tuple[int, Any] | None:
+        """(status, body), or None while unreachable; a 4xx other than 429 stops the server and raises."""
         try:
-            return http_json(f"{self.base_url}/health", timeout=5)[0] == 200
+            status, body = http_json(url, payload, timeout=timeout)
         except OSError:
-            return False
+            return None
+        text = body if isinstance(body, str) else json.dumps(body)
+        self._last_answer = f"HTTP {status} to {what}: {text[:200]}"
+        if 400 <= status < 500 and status != 429:
+            self.stop()
+            raise ServerError(f"the server answers {what} with HTTP {status}: {text[:500]}. Waiting does "
+                              f"not change a {status}: {_status_hint(status, self.spec.served_model_name)}. "
+                              f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+        return status, body
+
+    def _healthy(self) -> bool:
+        answer = self._probe("GET /health", f"{self.base_url}/health", None, 5)
+        return answer is not None and answer[0] == 200
 
     def _one_token(self) -> bool:
         payload = {"model": self.spec.served_model_name, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
-        try:
-            status, body = http_json(f"{self.base_url}/v1/completions", payload, timeout=60)
-        except OSError:
-            return False
-        return status == 200 and bool(body and body.get("choices"))
+        answer = self._probe("a one-token completion", f"{self.base_url}/v1/completions", payload, 60)
+        return answer is not None and answer[0] == 200 and isinstance(answer[1], dict) and bool(answer[1].get("choices"))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
