@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import re
 import secrets
 import sys
 import time
@@ -24,11 +23,11 @@ import yaml
 from . import params as P
 from .environment import collect_environment
 from .paths import PROJECT_ROOT
+from .redact import redact_text, redacted_cell_log
 
 SUMMARY = "summary.json"
 STATUS = "status.json"
 KERNEL_NAME = "dsr1kit"
-SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL)", re.I)
 
 
 class NotebookFailed(RuntimeError):
@@ -115,22 +114,10 @@ def ensure_kernelspec() -> str:
 
 
 def redact_secrets(run_dir: Path) -> list[str]:
-    """Replace any secret from the environment found in the run folder's files; return touched files."""
-    values = [v for k, v in os.environ.items() if SECRET_ENV.search(k) and len(v) >= 8]
-    touched = []
-    if not values:
-        return touched
-    for path in run_dir.rglob("*"):
-        if not path.is_file() or path.stat().st_size > 200 * 2**20:
-            continue
-        data = path.read_bytes()
-        if not any(v.encode() in data for v in values):
-            continue
-        for v in values:
-            data = data.replace(v.encode(), b"***")
-        path.write_bytes(data)
-        touched.append(str(path.relative_to(run_dir)))
-    return touched
+    """Mask any environment secret found in the run folder's files (any size); return the touched files."""
+    from .redact import redact_tree
+
+    return redact_tree(run_dir)
 
 
 def render_html(ipynb: Path) -> Path:
@@ -197,11 +184,12 @@ def run_notebook(
     t0 = time.monotonic()
     error: BaseException | None = None
     try:
-        pm.execute_notebook(
-            str(notebook), str(ipynb), parameters=resolved, kernel_name=ensure_kernelspec(),
-            cwd=str(notebook.parent.resolve()), log_output=log_output, progress_bar=False,
-            report_mode=False,
-        )
+        with redacted_cell_log():
+            pm.execute_notebook(
+                str(notebook), str(ipynb), parameters=resolved, kernel_name=ensure_kernelspec(),
+                cwd=str(notebook.parent.resolve()), log_output=log_output, progress_bar=False,
+                report_mode=False,
+            )
     except pm.PapermillExecutionError as exc:
         error = exc
     except BaseException as exc:  # kernel death, KeyboardInterrupt: still leave a status
@@ -221,10 +209,11 @@ def run_notebook(
             status["summary"] = json.loads(summary.read_text())
         if ipynb.is_file():
             render_html(ipynb)
+        status = json.loads(redact_text(json.dumps(status, default=str)))  # also the copy raised below
         _write_json(out_dir / STATUS, status)
         redact_secrets(out_dir)
     if error is not None:
-        raise NotebookFailed(out_dir, status) from error
+        raise NotebookFailed(out_dir, status) from None  # the cell's traceback is in the report, masked
     return RunResult(out_dir, status)
 
 
