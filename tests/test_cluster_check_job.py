@@ -85,6 +85,7 @@ def test_ray_saw_both_nodes(two_nodes):
 
 def test_each_node_advertises_its_own_ip_and_sees_all_its_gpus(two_nodes):
     assert [r["status"] for r in rows(two_nodes, "advertised ip")] == ["pass", "pass"]
+    assert [r["host"] for r in rows(two_nodes, "gpu visibility")] == ["n1", "n2"]  # a missing row fails too
     for row in rows(two_nodes, "gpu visibility"):
         assert row["status"] == "pass" and "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in row["measured"]
 
@@ -112,11 +113,13 @@ def test_gpus_per_task_job_fails_gpu_visibility_with_the_sbatch_fix(mistakes):
 
 
 def test_too_small_shm_is_a_failing_row_with_a_cleanup_hint(mistakes):
+    assert [r["host"] for r in rows(mistakes, "/dev/shm free")] == ["n1", "n2"]
     for row in rows(mistakes, "/dev/shm free"):
         assert row["status"] == "fail" and "ray stop --force" in row["fix"]
 
 
 def test_missing_scratch_dir_is_a_failing_row_with_a_fix(mistakes):
+    assert [r["host"] for r in rows(mistakes, "scratch dir")] == ["n1", "n2"]
     for row in rows(mistakes, "scratch dir"):
         assert row["status"] == "fail" and "/nonexistent/nvme does not exist" in row["measured"]
         assert "mkdir -p /nonexistent/nvme" in row["fix"]

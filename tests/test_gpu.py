@@ -76,6 +76,7 @@ def test_qlora_training_run_on_cuda(tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and all("cuda:0" in r["peak_memory_gib"] for r in rows)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert json.loads((run_dir / "run_info.json").read_text())["optimizer"] == "PagedAdamW8bit"
     from safetensors.torch import load_file
 
     tensors = load_file(run_dir / "adapter" / "adapter_model.safetensors")

@@ -80,6 +80,33 @@ def test_training_slice_held_out_and_retain_probes(adapted):
     steps.finish(verdict)  # not a failure
 
 
+def test_kl_and_agreement_equal_an_independent_computation(adapted, tiny_dir):
+    """Base and merged adapter loaded afresh from disk (no disable_adapter), KL by F.kl_div: same numbers."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    p, adapter, model, tok, _ = adapted
+    examples = encode_probe(tok, adapter_inspection.probe_sets(p, adapter.path)["retain"], 128, "")
+    res = compare_on(model, examples, "retain")
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+                                       str(adapter.path)).merge_and_unload().eval()
+    kls, agree, n = [], 0, 0
+    with torch.no_grad():
+        for ids, _ in examples:
+            x = torch.tensor([ids])
+            log_b, log_a = base(input_ids=x).logits[0].log_softmax(-1), merged(input_ids=x).logits[0].log_softmax(-1)
+            kls.append(F.kl_div(log_a, log_b, log_target=True, reduction="none").sum(-1))
+            agree += int((log_a.argmax(-1) == log_b.argmax(-1)).sum())
+            n += len(ids)
+    kl = torch.cat(kls)
+    assert kl.mean() > 1e-5  # the trained adapter moved the model
+    assert res.tokens == n and res.kl_mean == pytest.approx(float(kl.mean()), rel=1e-3)
+    assert res.kl_per_token == pytest.approx(kl.tolist(), rel=1e-2, abs=1e-6)  # fp32 noise of the merge
+    assert res.top1_agreement == pytest.approx(agree / n, abs=1.5 / n)  # at most one near-tie may flip
+
+
 def test_zero_adapter_moves_nothing(adapted, tmp_path):
     p, adapter, _, tok, _ = adapted
     zero = tmp_path / "zero"

@@ -53,7 +53,7 @@ def test_outputs_are_a_loadable_peft_adapter_with_run_info(full_run, tiny_dir):
     b_norms = [float(q.norm()) for n, q in model.named_parameters() if "lora_B" in n]
     assert len(b_norms) == 2 and all(v > 0 for v in b_norms)
     info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["steps_done"] == info["total_steps"] == 12
+    assert info["steps_done"] == info["total_steps"] == 12 and info["optimizer"] == "AdamW"  # CPU
     assert info["samples"] == 96 and info["sources"][0]["rows"] == 360
     assert (info["batch_size"], info["grad_accum"], info["max_len"], info["epochs"]) == (4, 2, 256, 1)
     assert info["hosts"] == [socket.gethostname()] and info["ranks_agree"]

@@ -134,7 +134,7 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
         "skipped_rows": data.skipped, "truncated": data.truncated, "no_target": data.no_target,
         "epochs": p.epochs, "batch_size": p.batch_size, "grad_accum": p.grad_accum, "max_len": p.max_len,
         "world_size": prep.info.world_size, "hosts": hosts, "rank_digests": digests,
-        "ranks_agree": len(set(digests)) == 1, "steps_done": result.steps_done,
+        "ranks_agree": len(set(digests)) == 1, "steps_done": result.steps_done, "optimizer": result.optimizer,
         "total_steps": result.total_steps, "preempted": result.preempted, "resumed_from": result.resumed_from,
         "wall_s": round(time.monotonic() - started, 1), "lora": lora_summary(prep.model, prep.plan),
         "model": prep.loaded.info,

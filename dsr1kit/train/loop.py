@@ -38,6 +38,7 @@ class TrainResult:
     resumed_from: int | None = None
     wall_s: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
+    optimizer: str = ""  # the class that ran: PagedAdamW8bit on CUDA, AdamW on CPU
 
 
 def epoch_batches(n: int, seed: int, epoch: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
@@ -153,7 +154,7 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
                               num_training_steps=total)
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().num_embeddings
-    result = TrainResult(0, total)
+    result = TrainResult(0, total, optimizer=type(optimizer).__name__)
 
     # --- resume: weights, optimizer, scheduler, RNG and data position from the latest checkpoint
     start = 0
