@@ -57,3 +57,35 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     info = json.loads((tmp_path / "run" / "run_info.json").read_text())
     assert info["resumed_from"] and 0 < info["resumed_from"] < 40 and info["steps_done"] == 40
     assert info["ranks_agree"] and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _metric_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_node_lost_mid_job_requeues_and_the_rerun_loses_nothing_and_repeats_nothing(slurm, tmp_path):
+    """Node n2 goes down mid-training (Slurm kills the job: NODE_FAIL); --requeue brings it back once the
+    node returns, and the rerun starts from the last checkpoint: every step logged once, none lost."""
+    job_id = _submit(slurm, tmp_path, "-p", "max_steps", "30", "-p", "save_every", "3", "-p", "log_every", "1")
+    run = tmp_path / "run"
+    latest = run / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (latest.is_file() and latest.read_text().strip() >= "step-0000006"):
+        time.sleep(0.5)
+    assert latest.is_file(), slurm.logs()
+    down = slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=fault-test")
+    assert down.returncode == 0, down.stderr
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and slurm.job_fields(job_id).get("Restarts", "0") == "0":
+            time.sleep(0.5)
+        assert slurm.job_fields(job_id).get("Restarts") == "1", slurm.job_fields(job_id)
+    finally:
+        slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME")
+    job = slurm.wait_job(job_id, timeout=600)
+    assert job.state == "COMPLETED", job.output[-4000:] + "\n" + slurm.logs(tail=6000)
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["steps_done"] == 30 and info["ranks_agree"]
+    assert 6 <= info["resumed_from"] < 30  # from a checkpoint written before the loss, not from scratch
+    steps = _metric_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 30 and len(steps) == 30  # each step once, none missing
