@@ -100,15 +100,8 @@ def snapshot_dir(home: Path, repo_id: str = REPO_ID, revision: str = "") -> Path
     return home / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
 
 
-def build(home: Path | None = None, repo_id: str = REPO_ID) -> Path:
-    """Write tiny-r1 in R1's format into the hub cache under ``home`` (atomically); return the snapshot dir."""
-    home = home or hf_home()
-    source = Path(resolve_model(TINY_R1_NAME))
-    revision = _revision(source)
-    target = snapshot_dir(home, repo_id, revision)
-    if (target / INDEX_FILE).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _write_snapshot(source: Path, target: Path) -> None:
+    """The FP8 checkpoint and tokenizer files into target, atomically (temp dir, then rename)."""
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         config = json.loads((source / "config.json").read_text())
@@ -120,6 +113,22 @@ def build(home: Path | None = None, repo_id: str = REPO_ID) -> Path:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build(home: Path | None = None, repo_id: str = REPO_ID) -> Path:
+    """Write tiny-r1 in R1's format into the hub cache under ``home`` (atomically); return the snapshot dir."""
+    home = home or hf_home()
+    source = Path(resolve_model(TINY_R1_NAME))
+    revision = _revision(source)
+    target = snapshot_dir(home, repo_id, revision)
+    if (target / INDEX_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(f"{target}.lock"):  # two jobs on a fresh cache write it once
+        if not (target / INDEX_FILE).is_file():
+            _write_snapshot(source, target)
     refs = target.parent.parent / "refs"
     refs.mkdir(exist_ok=True)
     (refs / "main").write_text(revision)

@@ -280,5 +280,10 @@ def resolve_model(name: str) -> str:
     prefix = "tiny-dsv3" if name == TINY_NAME else "tiny-r1-dsv3"
     target = cache_root() / f"{prefix}-{_fingerprint(flavour)}"
     if not (target / "TINY_MODEL.json").is_file():
-        build(target, flavour=flavour)
+        from filelock import FileLock
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{target}.lock"):  # ranks or jobs starting together on a fresh cache build it once
+            if not (target / "TINY_MODEL.json").is_file():
+                build(target, flavour=flavour)
     return str(target)
