@@ -23,16 +23,16 @@ def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_pa
     adapter = make_lora_adapter(tiny_dir, tmp_path / "adapter", ["q_b_proj", "o_proj"], layers=[2])
     runs = tmp_path / "runs"
     res = cli("run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
-              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", str(adapter), "-p", "eval_limit", "48")
+              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", str(adapter), "-p", "eval_limit", "16")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (run_dir,) = runs.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "base" in summary["headline"] and "adapter" in summary["headline"]
-    assert "scored on 48 of 48" in summary["headline"]
+    assert "scored on 16 of 16" in summary["headline"]
     assert {r["model"] for r in summary["accuracy"]} == {"base", "adapter"}
     assert set(summary["load_phases"]) == {"base", "adapter (merged)"}
     base, merged = (read_answers(run_dir / "answers" / f"{k}.jsonl") for k in ("base", "adapter"))
-    assert len(base) == len(merged) == 48
+    assert len(base) == len(merged) == 16
     assert [base[i]["text"] for i in base] != [merged[i]["text"] for i in base]   # the merge changed the model
     assert json.loads((run_dir / "merged" / "config.json").read_text())["topk_method"] == "noaux_tc"
     assert (run_dir / "figures" / "latency.png").is_file() and (run_dir / "report.html").is_file()

