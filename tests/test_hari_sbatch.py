@@ -20,14 +20,18 @@ def _env(tmp: Path) -> dict[str, str]:
             "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1"}
 
 
-def _submit(slurm, tmp: Path, *params: str) -> int:
+def _submit(slurm, tmp: Path, *params: str, extra_env: dict[str, str] | None = None) -> int:
     return slurm.sbatch(f"--output={tmp}/%x-%j.out", "-N", "2", "--cpus-per-task=2", "slurm/hari_train.sbatch",
                         "params/tiny/20_hari_training.yaml", "-p", "sample_limit", "48", "-p", "epochs", "20", *params,
-                        env=_env(tmp), cwd=ROOT)
+                        env={**_env(tmp), **(extra_env or {})}, cwd=ROOT)
+
+
+SENTINEL = "hf_" + "SlurmSentinel0123456789abcd"
 
 
 def test_two_nodes_train_one_adapter_and_rank0_reports(slurm, tmp_path):
-    job = slurm.wait_job(_submit(slurm, tmp_path, "-p", "max_steps", "4", "-p", "log_every", "1"), timeout=420)
+    job = slurm.wait_job(_submit(slurm, tmp_path, "-p", "max_steps", "4", "-p", "log_every", "1",
+                                 extra_env={"HF_TOKEN": SENTINEL}), timeout=420)
     assert job.state == "COMPLETED", job.output[-4000:]
     run = tmp_path / "run"
     info = json.loads((run / "run_info.json").read_text())
@@ -36,6 +40,9 @@ def test_two_nodes_train_one_adapter_and_rank0_reports(slurm, tmp_path):
     assert json.loads((run / "status.json").read_text())["status"] == "ok"            # rank 0: the report
     assert json.loads((run / "ranks" / "rank1" / "status.json").read_text())["rank"] == 1
     assert "Verdict: OK" in (run / "report.html").read_text()
+    # a secret in the job's environment is in no file of the run and not in the Slurm log
+    assert SENTINEL not in job.output
+    assert not [p for p in run.rglob("*") if p.is_file() and SENTINEL.encode() in p.read_bytes()]
 
 
 def _metric_steps(run: Path) -> list[int]:
