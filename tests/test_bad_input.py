@@ -176,3 +176,43 @@ def test_a_secret_in_any_parameter_shape_is_refused(shape):
 ], ids=lambda s: json.dumps(s)[:40])
 def test_token_words_that_are_not_secrets_pass(shape):
     P.load("10_vllm_inference", overrides=shape)
+
+
+# -- bad adapters: the notebook stops in its first cell with the cause, before any model or server loads ----
+def _adapters(tmp: Path) -> dict[str, Path]:
+    empty = tmp / "empty"
+    empty.mkdir()
+    torn = tmp / "torn"
+    torn.mkdir()
+    (torn / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    (torn / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00")
+    return {"empty": empty, "torn": torn}
+
+
+ADAPTER_CASES = [
+    ("30: not an adapter", "30_adapter_inspection", "adapter_dir", "{empty}",
+     "(AdapterError: {empty} is not a PEFT adapter: adapter_config.json is missing (an adapter folder holds "
+     "adapter_config.json and adapter_model.safetensors))"),
+    ("30: truncated weights", "30_adapter_inspection", "adapter_dir", "{torn}",
+     "(AdapterError: {torn}/adapter_model.safetensors is truncated or corrupt ("),
+    ("30: no adapter yet", "30_adapter_inspection", "adapter_dir", "latest",
+     "(AdapterError: no HARI adapter under {runs}: run notebook 20 first or set adapter_dir)"),
+    ("10: not an adapter", "10_vllm_inference", "lora_adapter", "{empty}",
+     "(FileNotFoundError: lora_adapter '{empty}' has no adapter_config.json; point it at the folder written by "
+     "the HARI run (adapter_model.safetensors + adapter_config.json))"),
+]
+
+
+@pytest.mark.parametrize("case,notebook,key,value,message", ADAPTER_CASES, ids=[c[0] for c in ADAPTER_CASES])
+def test_bad_adapter_stops_the_first_cell_with_its_cause(case, notebook, key, value, message, tmp_path):
+    runs = tmp_path / "runs"
+    names = {**_adapters(tmp_path), "runs": runs}
+    proc = run_cli("run", f"notebooks/{notebook}.ipynb", "-p", key, value.format(**names), "--runs-dir", str(runs),
+                   "-q", timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: {notebook} failed in cell " in proc.stderr
+    assert message.format(**names) in proc.stderr, proc.stderr[-2000:]
+    (run_dir,) = runs.iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "steps.begin" in status["failed_cell"]["source"]  # the first cell
+    assert not (run_dir / "logs").exists()  # no server was started
