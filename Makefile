@@ -13,6 +13,9 @@ STAMP   := $(VENV)/.installed
 DEBS    := slurm-wlm munge chromium chromium-driver
 VLLM_STAMP := $(VENV)/.vllm-installed
 PYTEST_ARGS ?=
+# Test files spread over this many processes (pytest-xdist, one file per worker so module fixtures are shared):
+# most of the suite waits on Slurm jobs, servers and kernels, so 2 workers on 2 cores take ~20 min instead of ~32.
+TEST_WORKERS ?= 2
 LAB_ARGS ?=
 
 .PHONY: demo test venv vllm sysdeps lab clean-runs data
@@ -21,7 +24,7 @@ demo: venv vllm
 	$(BIN)/dsr1kit demo
 
 test: venv vllm sysdeps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

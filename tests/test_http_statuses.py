@@ -13,7 +13,7 @@ import pytest
 
 from dsr1kit.cluster.rendezvous import free_port
 from dsr1kit.infer.client import CompletionClient, ClientError, Request, RequestRefused, read_answers
-from dsr1kit.infer.server import PROBE_PROMPT, ServerError, ServerSpec, VLLMServer
+from dsr1kit.infer.server import PROBE_PROMPT, ServerError, ServerSpec, VLLMServer, rpc_base_env
 
 STUB = Path(__file__).with_name("http_stub.py")
 
@@ -97,3 +97,20 @@ def test_5xx_is_retried_then_fails_with_the_count_kept(tmp_path):
     with pytest.raises(ClientError, match=r"request failed after 2 attempts: .*; 0 of 1 answers kept in .*; restart "
                                           r"the server and rerun"):
         client.complete([Request("a", "p")], tmp_path / "a.jsonl", max_tokens=1)
+
+
+def test_a_deep_temp_dir_gets_a_short_socket_folder_for_the_server(tmp_path):
+    """vLLM's IPC sockets live in its temp dir; past 107 characters it exits at start, so a short folder is used."""
+    deep = tmp_path / ("scratch-" * 10)
+    env, short = rpc_base_env({"TMPDIR": str(deep)})
+    assert short is not None and short.is_dir() and env == {"VLLM_RPC_BASE_PATH": str(short)}
+    assert len(str(short)) + 37 <= 107
+    short.rmdir()
+    assert rpc_base_env({"TMPDIR": "/tmp"}) == ({}, None)
+
+    server = _stub(tmp_path, "ok")
+    server.spec.env["TMPDIR"] = str(deep)
+    with server:
+        made = server._rpc_dir
+        assert made is not None and made.is_dir()
+    assert not made.exists()  # removed with the server

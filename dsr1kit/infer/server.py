@@ -110,6 +110,23 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
 
+SOCKET_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+RPC_NAME_CHARS = 37  # vLLM's IPC sockets are VLLM_RPC_BASE_PATH + "/" + a uuid4
+
+
+def rpc_base_env(env: dict[str, str]) -> tuple[dict[str, str], Path | None]:
+    """Where vLLM puts its IPC sockets: its temp dir, unless that path is too long for a unix socket (a deep
+    node-local scratch or test folder: vLLM then exits with "ipc path is longer than 107 characters").
+    Returns the env entries to add and a short folder made for them (removed when the server stops)."""
+    import tempfile
+
+    base = env.get("VLLM_RPC_BASE_PATH") or env.get("TMPDIR") or tempfile.gettempdir()
+    if len(base) + RPC_NAME_CHARS <= SOCKET_PATH_MAX:
+        return {}, None
+    short = Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp"))
+    return {"VLLM_RPC_BASE_PATH": str(short)}, short
+
+
 def _status_hint(status: int, model: str) -> str:
     """What a 4xx from a vLLM server usually means, and what to change."""
     if status == 404:
@@ -202,6 +219,8 @@ class VLLMServer:
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
         env = {**os.environ, **self.spec.env}
+        rpc_env, self._rpc_dir = rpc_base_env(env)
+        env.update(rpc_env)
         self._t0 = time.monotonic()
         # Its own process group (stop() signals the group) but the caller's session: a new session
         # is a new scheduler autogroup on most Linux kernels, and then the server's busy-polling
@@ -301,6 +320,11 @@ class VLLMServer:
             self._log.close()
             self._log = None
         self.pid_path.unlink(missing_ok=True)
+        if getattr(self, "_rpc_dir", None) is not None:
+            import shutil
+
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         self.phases.setdefault("stopped_after_s", round(time.monotonic() - self._t0, 3))
 
 
