@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # A name part such as hf_token, HF_TOKEN, --api-key, secret_key (not max_new_tokens, not --tokenizer).
 SECRET_NAME = re.compile(r"(?:^|[_\-.])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[_\-.])", re.I)
@@ -130,6 +130,8 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
     if error["type"] == "extra_forbidden":
         valid = [k for k in model.model_fields if k != "notebook"]
         return f"unknown key '{key}'; valid keys: {', '.join(valid)}"
+    if not error["loc"]:  # a rule across keys
+        return error["msg"].removeprefix("Value error, ")
     value = error.get("input")
     field = model.model_fields.get(str(error["loc"][0])) if error["loc"] else None
     expected = _type_name(field.annotation) if field else "?"
@@ -277,6 +279,32 @@ class HariParams(NotebookParams):
     grad_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower")
     trust_remote_code: bool = Field(False, description="Run the checkpoint's own modeling code (R1: not needed)")
     resume: bool = Field(True, description="Resume from the run folder's checkpoint when present")
+    prefix_cache: str = Field("off", description="off; auto; or a folder. The hidden states entering the first "
+                              "adapted layer, computed once and reused by every step and epoch (auto: reuse or "
+                              "build one per fingerprint under the kit's cache)",
+                              json_schema_extra=section("prefix cache"))
+    prefix_tokens_per_batch: int = Field(2048, ge=1, description="Padded tokens per micro-batch of the prefix "
+                                                                 "pass (samples sorted by length)")
+    prefix_shard_mib: float = Field(4.0, gt=0, description="MiB per cache shard; a killed pass redoes only "
+                                                           "unfinished shards (R1: 2048)")
+    prefix_pipeline: bool = Field(True, description="Prefix pass as a wavefront over the node's GPUs (GPU k "
+                                                    "on micro-batch t-k)")
+    cached_layers_nf4: bool = Field(False, description="From the cache, load the adapted layers in NF4 (else "
+                                                       "in dtype; bf16 on GPUs)")
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _prefix_cache_given(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty: give off, auto, or a folder for the prefix cache")
+        return value
+
+    @model_validator(mode="after")
+    def _prefix_cache_needs_fast_path(self):
+        if self.prefix_cache != "off" and self.hari_impl != "fast":
+            raise ValueError(f"prefix_cache {self.prefix_cache!r} needs hari_impl 'fast' (the naive path runs the "
+                             f"whole model on every step); set hari_impl: fast or prefix_cache: off")
+        return self
 
 
 class InspectParams(NotebookParams):

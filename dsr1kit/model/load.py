@@ -152,3 +152,32 @@ def load_model(p, rank: int = 0, tokenizer=None) -> LoadedModel:
         "boundary_crossings": placement.boundary_crossings(dm) if dm else 0,
     }
     return LoadedModel(model, tokenizer, path, dm, info)
+
+
+def load_adapted(p, first_layer: int, local_rank: int = 0, tokenizer=None) -> LoadedModel:
+    """Training from the prefix cache: layers ≥ ``first_layer``, norm and lm_head on this rank's own device
+    (GPU ``local_rank``, or the host), bf16/fp32 or NF4 (``cached_layers_nf4``); nothing else is read."""
+    from .partial import load_adapted_layers, loaded_parameters
+
+    path = local_checkpoint(p.model)
+    on_gpu = torch.cuda.is_available() and p.device_map != "cpu"
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    model = load_adapted_layers(path, first_layer, device, dtype=DTYPES[p.dtype], nf4=p.cached_layers_nf4,
+                                progress=local_rank == 0)
+    model.config.use_cache = False
+    for param in model.parameters():
+        param.requires_grad_(False)
+    tokenizer = tokenizer or load_tokenizer(path, p.trust_remote_code)
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but {path} embeds {model.config.vocab_size}: "
+                         f"the prefix cache needs a tokenizer that fits the model (prefix_cache: off resizes)")
+    n = model.config.num_hidden_layers
+    info = {
+        "path": path, "dtype": p.dtype, "quantization": "nf4" if p.cached_layers_nf4 else "none",
+        "quantize_experts": p.cached_layers_nf4, "n_layers": n, "loaded_layers": f"{first_layer}-{n - 1} of {n}",
+        "parameters": loaded_parameters(model), "memory_gib": round(model.get_memory_footprint() / 2**30, 3),
+        "quirks": quirks.apply_quirks(model), "placement": str(device), "boundary_crossings": 0,
+    }
+    return LoadedModel(model, tokenizer, path, None, info)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from .inventory import Inventory, inventory, resolve_config
 from .steps import GIB, H100_BYTES, Device, lora_parameters, reference_devices, serving_devices, training_devices
 
-__all__ = ["Machine", "Plan", "PlanError", "hari_plan", "inspect_plan", "inspection_plans", "reference_plan",
+__all__ = ["Machine", "Plan", "PlanError", "hari_plan", "prefix_pass_plan", "inspect_plan", "inspection_plans", "reference_plan",
            "serve_plan", "plans_for_files",
            "plan_for_params", "Device", "GIB"]
 
@@ -160,8 +160,14 @@ def hari_plan_for_config(config, machine: Machine, **hari_params) -> Plan:
 
 
 def hari_plan(p, machine: Machine, inv: Inventory | None = None, advise: bool = True) -> Plan:
-    """Notebook 20: load (as dsr1kit.model.load does) and one HARI step of batch_size × max_len tokens."""
+    """Notebook 20: load (as dsr1kit.model.load does) and one HARI step of batch_size × max_len tokens.
+
+    With a prefix cache, the step's plan is per rank (one GPU each): only the adapted layers, the final norm
+    and lm_head are loaded; ``prefix_pass_plan`` is the plan of the pass that fills the cache.
+    """
     inv = inv or _inv(p.model, p.trust_remote_code)
+    if getattr(p, "prefix_cache", "off") != "off":
+        return _cached_hari_plan(p, machine, inv)
     gpus = 0 if p.device_map == "cpu" else machine.gpus
     dtype_bytes = 2 if p.dtype == "bfloat16" else 4
     tokens = p.batch_size * p.max_len
@@ -175,6 +181,46 @@ def hari_plan(p, machine: Machine, inv: Inventory | None = None, advise: bool = 
                                                      p.device_map, f"{p.batch_size} x {p.max_len}", machine))
     if advise and not plan.fits:
         plan.advice = _training_advice(p, machine, inv, hari_plan)
+    return plan
+
+
+def adapted_only(inv: Inventory, last_k: int) -> Inventory:
+    """The inventory with the frozen prefix and the embeddings emptied: what training from the cache loads."""
+    keep = set(inv.layers[len(inv.layers) - last_k:])
+    units = {u: (kinds if u in keep or not (u in inv.layers or u == "model.embed_tokens") else {})
+             for u, kinds in inv.units.items()}
+    return replace(inv, units=units)
+
+
+def _cached_hari_plan(p, machine: Machine, inv: Inventory) -> Plan:
+    gpus = 0 if p.device_map == "cpu" or not machine.gpus else 1
+    dtype_bytes = 2 if p.dtype == "bfloat16" else 4
+    lora = lora_parameters(inv, p.lora_r, p.lora_last_k_layers, list(p.lora_targets))
+    devices = training_devices(
+        adapted_only(inv, p.lora_last_k_layers), n_gpus=gpus, gpu_bytes=machine.gpu_bytes,
+        host_bytes=machine.host_bytes, scheme="contiguous", dtype_bytes=dtype_bytes,
+        nf4_linears=p.cached_layers_nf4, nf4_experts=p.cached_layers_nf4, tokens=p.batch_size * p.max_len,
+        chunk=p.loss_chunk, last_k=p.lora_last_k_layers, lora_params=lora, from_pretrained=False)
+    facts = _facts(inv, "nf4" if p.cached_layers_nf4 else "none", p.cached_layers_nf4, p.dtype, gpus, "one GPU per rank",
+                   f"{p.batch_size} x {p.max_len}", machine)
+    facts["loaded"] = f"the last {p.lora_last_k_layers} layer(s), norm and lm_head; the rest is read from the prefix cache"
+    return Plan("HARI step from the prefix cache (per rank)", devices, facts)
+
+
+def prefix_pass_plan(p, machine: Machine, inv: Inventory | None = None, advise: bool = True) -> Plan:
+    """The prefix pass: the model loaded as for HARI, forward only, micro-batches of prefix_tokens_per_batch."""
+    inv = inv or _inv(p.model, p.trust_remote_code)
+    gpus = 0 if p.device_map == "cpu" else machine.gpus
+    devices = training_devices(
+        inv, n_gpus=gpus, gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes,
+        scheme=p.device_map if gpus else "contiguous", dtype_bytes=2 if p.dtype == "bfloat16" else 4,
+        nf4_linears=p.quantization == "nf4", nf4_experts=p.quantize_experts, tokens=p.prefix_tokens_per_batch,
+        chunk=0, last_k=0, lora_params=0, from_pretrained=not p.quantize_experts, train=False)
+    plan = Plan("prefix pass (load + forward)", devices,
+                _facts(inv, p.quantization, p.quantize_experts, p.dtype, gpus, p.device_map,
+                       f"{p.prefix_tokens_per_batch} per micro-batch", machine))
+    if advise and not plan.fits:
+        plan.advice = _training_advice(p, machine, inv, prefix_pass_plan)
     return plan
 
 

@@ -22,7 +22,7 @@ from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadedModel, load_model
 from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary
-from ..train import dist
+from ..train import dist, prefix
 from ..train.loop import TrainResult, train
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
@@ -44,12 +44,37 @@ class TrainingData:
 
 
 @dataclass
+class PrefixCacheReady:
+    """A complete prefix cache for this run, and what filling it cost (every recorded pass over the folder)."""
+
+    cache: prefix.PrefixCache
+    built_here: dict[str, Any] | None  # this rank's share, built now; None when every shard was there
+    passes: list[dict[str, Any]]
+
+    def table(self) -> dict[str, Any]:
+        d = self.cache.describe()
+        out = {"folder": d["folder"], "samples": d["samples"], "tokens": f"{d['tokens']:,}",
+               "shards": d["shards"], "size": f"{d['size_gib']:.3f} GiB ({d['bytes_per_token']:,} B per token, "
+                                                f"{d['dtype']})",
+               "first adapted layer": d["first_adapted_layer"],
+               "this run": ("built " + f"{self.built_here['shards_built']} shard(s), reused "
+                            f"{self.built_here['shards_reused']}" if self.built_here and self.built_here["shards_built"]
+                            else "cache hit: every shard reused")}
+        for row in self.passes:
+            out[f"pass, task {row['task']} ({row['host']})"] = (
+                f"{row['shards_built']} shard(s), {row['tokens_built']:,} tokens in {row['seconds']:.1f} s: "
+                f"{row['tokens_per_s']:,.0f} tokens/s")
+        return out
+
+
+@dataclass
 class Prepared:
     loaded: LoadedModel
     model: Any  # the PeftModel
     plan: LoraPlan
     data: TrainingData
     info: dist.DistInfo
+    prefix: PrefixCacheReady | None = None
 
     def model_table(self) -> dict[str, Any]:
         """Quantization, placement, memory and exactly which modules carry adapters."""
@@ -81,30 +106,130 @@ def prepare_data(p, tokenizer) -> TrainingData:
 
 
 def memory_plan(p):
-    """Bytes per GPU and host for loading the model and one HARI step, on this node (nothing loaded)."""
+    """Bytes per GPU and host for loading the model and one HARI step, on this node (nothing loaded).
+    With a prefix cache: one rank's adapted layers and step."""
     from ..plan import Machine, hari_plan
 
     return hari_plan(p, Machine.detect())
 
 
-def prepare_model(p, info: dist.DistInfo, data: TrainingData, plan=None, tokenizer=None) -> Prepared:
-    """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not)."""
-    (plan or memory_plan(p)).check()
+def first_layer_of(p) -> int:
+    """The first adapted layer, from the model's config (nothing loaded)."""
+    from ..model.lora import LoraTargetError
+    from ..plan.inventory import resolve_config
+
+    n = resolve_config(p.model, p.trust_remote_code).num_hidden_layers
+    if p.lora_last_k_layers > n:
+        raise LoraTargetError(f"lora_last_k_layers={p.lora_last_k_layers} but the model has {n} layers")
+    return n - p.lora_last_k_layers
+
+
+def prefix_cache_folder(p, fp: dict[str, str]) -> Path:
+    """auto: one folder per fingerprint under the kit's cache (DSR1KIT_CACHE), so runs on the same inputs share it."""
+    from ..tiny import cache_root
+
+    if p.prefix_cache == "auto":
+        return cache_root() / "prefix" / prefix.fingerprint_id(fp)
+    return Path(p.prefix_cache).expanduser()
+
+
+def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> tuple[Path, dict[str, str], dict | None]:
+    """This task's missing shards (task = rank, shard i to task i % world): the full model is loaded only when
+    one is missing, after the prefix pass's memory plan says it fits. Returns (folder, fingerprint, stats)."""
+    import gc
+    import socket
+
+    from ..model.load import local_checkpoint
+    from ..plan import Machine, prefix_pass_plan
+    from ..plan.inventory import resolve_config
+
+    first = first_layer_of(p)
+    examples = data.encoded.examples
+    fp = prefix.fingerprint(p, local_checkpoint(p.model), tokenizer, examples, first)
+    folder = prefix_cache_folder(p, fp)
+    hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
+    layout = prefix.prepare_layout(folder, fp, examples, hidden, p.dtype, p.prefix_tokens_per_batch, p.prefix_shard_mib)
+    mine = [s for k, s in enumerate(layout.shards) if k % info.world_size == info.rank]
+    if all((folder / s.file).is_file() for s in mine):
+        return folder, fp, None
+    prefix_pass_plan(p, Machine.detect()).check()
     loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
+    try:
+        stats = prefix.build(loaded.model, examples, folder, layout, first, tokenizer.pad_token_id, task=info.rank,
+                             tasks=info.world_size, pipeline=p.prefix_pipeline, progress=info.is_main)
+    finally:
+        del loaded
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    row = {**stats.to_dict(), "task": info.rank, "tasks": info.world_size, "host": socket.gethostname(),
+           "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    with (folder / f"passes-task{info.rank}.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return folder, fp, row
+
+
+def prefix_passes(folder: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(folder.glob("passes-task*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("shards_built")]
+
+
+def prefix_only(p) -> dict[str, Any]:
+    """This task's share of the prefix pass, ranks from Slurm or torchrun, no process group: for the prefix job."""
+    if p.prefix_cache == "off":
+        raise prefix.PrefixCacheError("--prefix-only needs prefix_cache: auto or a folder (it is off)")
+    info = dist.from_env()
+    tokenizer = load_tokenizer(p)
+    folder, _, built = fill_prefix_cache(p, info, prepare_data(p, tokenizer), tokenizer)
+    return {"folder": str(folder), "task": info.rank, "tasks": info.world_size,
+            "built": built or "nothing missing for this task"}
+
+
+def open_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> PrefixCacheReady | None:
+    """prefix_cache off: None. Else every rank fills its share of the cache, then opens the whole of it
+    (PrefixCacheError when it belongs to other inputs or a share is still missing)."""
+    if p.prefix_cache == "off":
+        return None
+    folder, fp, built = fill_prefix_cache(p, info, data, tokenizer)
+    dist.barrier()
+    return PrefixCacheReady(prefix.PrefixCache(folder, fp), built, prefix_passes(folder))
+
+
+def prefix_table(cache: PrefixCacheReady | None) -> dict[str, Any]:
+    if cache is None:
+        return {"prefix cache": "off: every step also runs the frozen layers below the adapted ones"}
+    return cache.table()
+
+
+def prepare_model(p, info: dist.DistInfo, data: TrainingData, plan=None, tokenizer=None,
+                  cache: PrefixCacheReady | None = None) -> Prepared:
+    """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not).
+    From a prefix cache, only the adapted layers, norm and lm_head are loaded, on this rank's own device."""
+    (plan or memory_plan(p)).check()
+    if cache is not None:
+        from ..model.load import load_adapted
+
+        loaded = load_adapted(p, int(cache.cache.layout.fingerprint["first_adapted_layer"]), info.local_rank,
+                              tokenizer)
+    else:
+        loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
     torch.manual_seed(p.seed)  # identical LoRA init on every rank
     model, lora_plan = apply_lora(loaded.model, p)
-    return Prepared(loaded, model, lora_plan, data, info)
+    return Prepared(loaded, model, lora_plan, data, info, cache)
 
 
 def prepare(p) -> Prepared:
     info = setup_dist()
     tokenizer = load_tokenizer(p)
-    return prepare_model(p, info, prepare_data(p, tokenizer), tokenizer=tokenizer)
+    data = prepare_data(p, tokenizer)
+    return prepare_model(p, info, data, tokenizer=tokenizer, cache=open_prefix_cache(p, info, data, tokenizer))
 
 
 def run_training(prep: Prepared, p) -> TrainResult:
     return train(prep.model, prep.loaded.tokenizer, prep.data.encoded.examples, p, p.run_dir,
-                 first_adapted_layer(prep.plan), prep.info)
+                 first_adapted_layer(prep.plan), prep.info, prefix=prep.prefix.cache if prep.prefix else None)
 
 
 def _slug(text: str) -> str:
@@ -138,6 +263,8 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
         "total_steps": result.total_steps, "preempted": result.preempted, "resumed_from": result.resumed_from,
         "wall_s": round(time.monotonic() - started, 1), "lora": lora_summary(prep.model, prep.plan),
         "model": prep.loaded.info,
+        "prefix_cache": ({**prep.prefix.cache.describe(), "built_here": prep.prefix.built_here,
+                          "passes": prep.prefix.passes} if prep.prefix else None),
     }
     dist.barrier()
     if prep.info.is_main and not result.preempted:
@@ -196,6 +323,17 @@ def verdict(result: TrainResult, prep: Prepared, outputs: dict[str, Any], histor
     else:
         headline, lines = steps_line, []
     lines += [f"‖lora_B‖ {m}: {v:.3e}" for m, v in norms.items()]
+    if history:
+        rates = [row["tokens_per_s"] for row in history if row.get("tokens_per_s")]
+        where = "from the prefix cache" if prep.prefix else "whole model"
+        lines.append(f"training throughput ({where}): {sum(rates) / max(len(rates), 1):,.0f} tokens/s per rank "
+                     f"× {prep.info.world_size} rank(s)")
+    if prep.prefix:
+        passes = prep.prefix.passes
+        rate = (f"; prefix pass {sum(r['tokens_built'] for r in passes) / max(sum(r['seconds'] for r in passes), 1e-9):,.0f}"
+                f" tokens/s per task" if passes else "")
+        hit = "built now" if prep.prefix.built_here and prep.prefix.built_here["shards_built"] else "reused"
+        lines.append(f"prefix cache {hit}: {prep.prefix.cache.directory}{rate}")
 
     def done(status: str, *more: str) -> Verdict:
         return Verdict(status, headline, lines + list(more), TrainingFailed)

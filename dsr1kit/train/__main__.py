@@ -1,7 +1,10 @@
-"""`python -m dsr1kit.train -f PARAMS [-p KEY VALUE]… --run-dir DIR`: HARI without a notebook.
+"""`python -m dsr1kit.train -f PARAMS [-p KEY VALUE]… --run-dir DIR [--prefix-only]`: HARI without a notebook.
 
 The same steps notebook 20 runs, for scripted use and for tests that start
-several ranks or kill a run mid-way.
+several ranks or kill a run mid-way. ``--prefix-only`` runs only this task's
+share of the prefix pass (``slurm/hari_prefix.sbatch``: one task per node,
+shard i to task i % tasks) and prints what it built; no process group is
+formed, so tasks never wait on each other.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from ..params import ParamsError, load, parse_override
 from ..plan import PlanError
 from .checkpoint import ResumeMismatch
 from .loop import OptimizerUnavailable
-from ..steps.hari_training import run
+from ..steps.hari_training import prefix_only, run
+from .prefix import PrefixCacheError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-f", "--params-file", action="append", default=[])
     ap.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--prefix-only", action="store_true", help="fill this task's share of the prefix cache, then exit")
     args = ap.parse_args(argv)
     overrides = {k: parse_override(v) for k, v in args.param}
     overrides["run_dir"] = args.run_dir
@@ -32,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
+        if args.prefix_only:
+            print(json.dumps(prefix_only(p), default=str))
+            return 0
         info = run(p)
-    except (DatasetPlanError, PlanError, ResumeMismatch, OptimizerUnavailable) as err:
+    except (DatasetPlanError, PlanError, ResumeMismatch, OptimizerUnavailable, PrefixCacheError) as err:
         print(f"error: {err}", file=sys.stderr)  # the cause and the fix; nothing done is lost
         return 2
     print(json.dumps({k: info[k] for k in ("steps_done", "total_steps", "preempted", "hosts")}))

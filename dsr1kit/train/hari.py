@@ -21,6 +21,7 @@ and no chunk is recomputed.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,16 +110,24 @@ def prefix_forward(model, batch: dict[str, torch.Tensor], first_layer: int):
     rotary embeddings); a pre-hook on the first adapted layer captures what it
     would receive and stops there. This works for any decoder whose layers take
     (hidden_states, **kwargs), whatever the transformers version.
+
+    A batch that carries ``inputs_embeds`` (hidden states read from the prefix
+    cache, on a model whose frozen layers are passthroughs) enters there
+    instead of at the embeddings.
     """
     layer = decoder_layers(model)[first_layer]
+    me = threading.get_ident()
 
     def stop(_module, args, kwargs):
-        raise _StopAtLayer(args, kwargs)
+        if threading.get_ident() == me:  # another thread may be running this layer (the prefix wavefront)
+            raise _StopAtLayer(args, kwargs)
 
     handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with torch.no_grad():
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            inputs = ({"inputs_embeds": batch["inputs_embeds"]} if "inputs_embeds" in batch
+                      else {"input_ids": batch["input_ids"]})
+            model(**inputs, attention_mask=batch["attention_mask"], use_cache=False)
     except _StopAtLayer as captured:
         args, kwargs = captured.args_, captured.kwargs_
     else:
@@ -129,8 +138,9 @@ def prefix_forward(model, batch: dict[str, torch.Tensor], first_layer: int):
     return hidden, args[1:], kwargs
 
 
-def run_layers(model, first_layer: int, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
-    for layer in decoder_layers(model)[first_layer:]:
+def run_layers(model, first_layer: int, hidden: torch.Tensor, args, kwargs, end: int | None = None) -> torch.Tensor:
+    """Layers ``first_layer`` .. ``end`` (default: the last) on ``hidden``."""
+    for layer in decoder_layers(model)[first_layer:end]:
         out = layer(hidden, *args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden

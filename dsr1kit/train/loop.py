@@ -141,7 +141,10 @@ def _truncate_metrics(path: Path, after_step: int) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in keep))
 
 
-def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, info: dist.DistInfo) -> TrainResult:
+def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, info: dist.DistInfo,
+          prefix=None) -> TrainResult:
+    """HARI over ``examples``; with ``prefix`` (a PrefixCache) each batch enters the model as the cached
+    hidden states of its samples at ``first_layer`` instead of as token ids."""
     from transformers import get_scheduler
 
     run_dir = Path(run_dir)
@@ -200,8 +203,11 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
             # --- forward/backward over grad_accum micro-batches
             for micro in range(p.grad_accum):
                 idx = batches[epoch][in_epoch * p.grad_accum + micro]
-                batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], tokenizer.pad_token_id,
-                                                              vocab).items()}
+                chosen = [examples[i] for i in idx]
+                batch = collate(chosen, tokenizer.pad_token_id, vocab)
+                if prefix is not None:
+                    batch["inputs_embeds"] = prefix.batch([e.id for e in chosen], batch["input_ids"].shape[1])
+                batch = {k: v.to(device) for k, v in batch.items()}
                 parts = hari_loss(model, batch, p, first_layer)
                 if not torch.isfinite(parts.loss):
                     bad = [examples[i].id for i in idx]
