@@ -1,0 +1,298 @@
+"""The prefix cache on the tiny model (fp32, CPU): training from it gives the uncached adapter, the wavefront
+writes what the sequential pass writes, a killed pass redoes only its missing shards, and a cache that is not
+this run's (other inputs, incomplete, too big for the disk) is refused with what differs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsr1kit import params as P
+from dsr1kit.cluster.rendezvous import free_port
+from dsr1kit.train import prefix
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"sample_limit": 96, "max_steps": 8, "save_every": 4, "log_every": 2}
+TOLERANCE = 1e-6  # max relative difference, per adapter tensor
+
+
+def _params(run_dir: Path, **changes) -> P.HariParams:
+    return P.load("20_hari_training", overrides={"run_dir": str(run_dir), **SMALL, **changes})
+
+
+def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max()) for k in a)
+
+
+def _run(run_dir: Path, **changes) -> dict:
+    from dsr1kit.steps.hari_training import run
+
+    return run(_params(run_dir, **changes))
+
+
+@pytest.fixture(scope="module")
+def uncached(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uncached")
+    _run(run_dir)
+    return run_dir
+
+
+def test_training_from_the_cache_gives_the_uncached_adapter_and_a_second_run_reuses_it(tmp_path, uncached):
+    cache = tmp_path / "cache"
+    first = _run(tmp_path / "a", prefix_cache=str(cache), prefix_shard_mib=1.0)
+    assert first["prefix_cache"]["shards"] >= 3 and first["prefix_cache"]["built_here"]["shards_built"] >= 3
+    diff = _max_relative_difference(_adapter(uncached), _adapter(tmp_path / "a"))
+    assert diff <= TOLERANCE, diff
+    # the loaded model is the adapted layer, norm and lm_head only; the adapter names the full model's layer
+    assert first["model"]["loaded_layers"] == "2-2 of 3"
+    assert first["lora"]["modules"] == ["model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.q_b_proj"]
+    second = _run(tmp_path / "b", prefix_cache=str(cache), prefix_shard_mib=1.0)
+    assert second["prefix_cache"]["built_here"] is None  # a cache hit: nothing rebuilt
+    assert _max_relative_difference(_adapter(tmp_path / "a"), _adapter(tmp_path / "b")) == 0.0
+
+
+def test_a_run_checkpointed_without_the_cache_resumes_from_it(tmp_path, uncached):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uncached / "checkpoints", run_dir / "checkpoints")
+    shutil.rmtree(run_dir / "checkpoints" / "step-0000008")
+    (run_dir / "checkpoints" / "latest").write_text("step-0000004")
+    info = _run(run_dir, prefix_cache=str(tmp_path / "cache"))
+    assert info["resumed_from"] == 4 and info["steps_done"] == 8
+    assert _max_relative_difference(_adapter(uncached), _adapter(run_dir)) <= TOLERANCE
+
+
+def _two_ranks(run_dir: Path, *extra: str) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "dsr1kit.train", *[x for k, v in SMALL.items() for x in ("-p", k, str(v))], *extra,
+           "--run-dir", str(run_dir)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+
+
+def test_two_gloo_ranks_from_the_cache_give_the_uncached_two_rank_adapter(tmp_path):
+    cache = tmp_path / "cache"
+    _two_ranks(tmp_path / "plain")
+    _two_ranks(tmp_path / "cached", "-p", "prefix_cache", str(cache), "-p", "prefix_shard_mib", "1.0")
+    diff = _max_relative_difference(_adapter(tmp_path / "plain"), _adapter(tmp_path / "cached"))
+    assert diff <= TOLERANCE, diff
+    info = json.loads((tmp_path / "cached" / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["ranks_agree"]
+    # each rank wrote its own share of the shards (shard i to rank i % 2), then both read all of them
+    passes = {json.loads(line)["task"]: json.loads(line)
+              for f in cache.glob("passes-task*.jsonl") for line in f.read_text().splitlines()}
+    layout = json.loads((cache / prefix.INDEX).read_text())
+    assert sorted(passes) == [0, 1]
+    assert sum(row["shards_built"] for row in passes.values()) == len(layout["shards"]) >= 2
+
+
+# -- the pass itself ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    from dsr1kit.model.load import load_model
+    from dsr1kit.steps.hari_training import load_tokenizer, prepare_data
+
+    p = _params(Path("/nonexistent"), sample_limit=40)
+    tokenizer = load_tokenizer(p)
+    data = prepare_data(p, tokenizer)
+    model = load_model(p, tokenizer=tokenizer).model.eval()
+    return p, tokenizer, data.encoded.examples, model
+
+
+def _layout(directory: Path, setup, shard_mib: float = 0.25, tokens_per_batch: int = 512, **fp_changes):
+    p, tokenizer, examples, model = setup
+    fp = {**prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples, 2), **fp_changes}
+    return prefix.prepare_layout(directory, fp, examples, model.config.hidden_size, p.dtype, tokens_per_batch,
+                                 shard_mib)
+
+
+def _shards(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(directory.glob("shard-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_wavefront_over_stages_writes_the_same_tensors_as_the_sequential_pass(tmp_path, tiny_setup):
+    _, tokenizer, examples, model = tiny_setup
+    assert prefix.stage_bounds(model, 2, stages=2) == [0, 1, 2]
+    seq, wave = tmp_path / "seq", tmp_path / "wave"
+    for folder, pipeline in ((seq, False), (wave, True)):
+        layout = _layout(folder, tiny_setup)
+        stats = prefix.build(model, examples, folder, layout, 2, tokenizer.pad_token_id, pipeline=pipeline, stages=2,
+                             progress=False)
+        assert stats.shards_built == len(layout.shards) >= 2
+    assert stats.stages == [0, 1, 2]
+    a, b = _shards(seq), _shards(wave)
+    assert a.keys() == b.keys() == {e.id for e in examples}
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    assert all(a[e.id].shape == (len(e.input_ids), model.config.hidden_size) for e in examples)
+
+
+def test_cached_states_are_what_the_first_adapted_layer_receives(tmp_path, tiny_setup):
+    from dsr1kit.data.labels import collate
+    from dsr1kit.train.hari import prefix_forward
+
+    _, tokenizer, examples, model = tiny_setup
+    layout = _layout(tmp_path, tiny_setup)
+    prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
+    cache = prefix.PrefixCache(tmp_path)
+    for e in examples[:5]:
+        batch = collate([e], tokenizer.pad_token_id, model.config.vocab_size)
+        with torch.no_grad():
+            hidden, _, _ = prefix_forward(model, batch, 2)
+        torch.testing.assert_close(cache.hidden(e.id), hidden[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_error_in_a_stage_thread_reaches_the_caller(tiny_setup, monkeypatch):
+    from dsr1kit.model.lora import decoder_layers
+
+    _, tokenizer, examples, model = tiny_setup
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stage 1 broke")
+
+    monkeypatch.setattr(decoder_layers(model)[1], "forward", broken)
+    with pytest.raises(RuntimeError, match="stage 1 broke"):
+        list(prefix.wavefront_pass(model, [examples[:2], examples[2:4]], 2, tokenizer.pad_token_id, [0, 1, 2]))
+
+
+def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monkeypatch):
+    _, tokenizer, examples, model = tiny_setup
+    clean = tmp_path / "clean"
+    prefix.build(model, examples, clean, _layout(clean, tiny_setup), 2, tokenizer.pad_token_id, progress=False)
+
+    folder = tmp_path / "killed"
+    layout = _layout(folder, tiny_setup)
+    real_save, calls = prefix.save_file, []
+
+    def dies_on_the_third_shard(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            Path(path).write_bytes(b"half a shard")  # what a kill mid-write leaves
+            raise KeyboardInterrupt("killed")
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(prefix, "save_file", dies_on_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prefix.build(model, examples, folder, layout, 2, tokenizer.pad_token_id, progress=False)
+    assert len(list(folder.glob("shard-*.safetensors"))) == 2 and list(folder.glob(".shard-*.tmp"))
+    with pytest.raises(prefix.PrefixCacheError, match=f"incomplete: {len(layout.shards) - 2} of {len(layout.shards)}"):
+        prefix.PrefixCache(folder)
+
+    monkeypatch.setattr(prefix, "save_file", real_save)
+    again = prefix.build(model, examples, folder, prefix.CacheLayout.read(folder), 2, tokenizer.pad_token_id,
+                         progress=False)
+    assert (again.shards_reused, again.shards_built) == (2, len(layout.shards) - 2)
+    assert not list(folder.glob(".shard-*.tmp"))
+    a, b = _shards(clean), _shards(folder)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tasks_write_disjoint_shares(tmp_path, tiny_setup):
+    _, tokenizer, examples, model = tiny_setup
+    layout = _layout(tmp_path, tiny_setup)
+    runs = [prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, task=t, tasks=2,
+                         progress=False) for t in (0, 1)]
+    assert [r.shards_built for r in runs] == [len(layout.shards[0::2]), len(layout.shards[1::2])]
+    assert runs[0].shards_other_tasks == len(layout.shards[1::2])
+    assert len(prefix.PrefixCache(tmp_path).where) == len(examples)
+
+
+def test_a_cache_for_other_inputs_is_refused_field_by_field(tmp_path, tiny_setup):
+    _layout(tmp_path, tiny_setup)
+    with pytest.raises(prefix.PrefixCacheError) as err:
+        _layout(tmp_path, tiny_setup, max_len="128", first_adapted_layer="1")
+    message = str(err.value)
+    assert "first_adapted_layer: cached '2', this run '1'" in message
+    assert "max_len: cached '256', this run '128'" in message
+    assert "dtype" not in message and "tokenizer" not in message  # only what differs
+
+
+def test_a_run_whose_data_changed_does_not_reuse_the_cache(tmp_path, tiny_setup):
+    p, tokenizer, examples, model = tiny_setup
+    now = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples[:-1], 2)
+    before = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples, 2)
+    assert [line.split(":")[0] for line in prefix.differences(before, now)] == ["samples"]
+    assert prefix.fingerprint_id(now) != prefix.fingerprint_id(before)  # auto: another folder
+
+
+def test_too_little_disk_is_refused_before_anything_is_written(tmp_path, tiny_setup, monkeypatch):
+    import shutil
+
+    _, tokenizer, examples, model = tiny_setup
+    layout = _layout(tmp_path, tiny_setup)
+    need = layout.tokens * layout.bytes_per_token
+    monkeypatch.setattr(prefix.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12, need // 2))
+    with pytest.raises(prefix.PrefixCacheError, match=rf"needs {need / 2**30:.2f} GiB more .* has "
+                                                      rf"{need / 2 / 2**30:.2f} GiB free"):
+        prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
+    assert not list(tmp_path.glob("shard-*"))
+
+
+def test_length_batches_respect_the_token_budget_and_sort_by_length():
+    lengths = [5, 40, 12, 40, 7, 100, 3]
+    batches = prefix.length_batches(lengths, 80)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert [[lengths[i] for i in b] for b in batches] == [[100], [40, 40], [12, 7, 5, 3]]
+    assert all(len(b) * max(lengths[i] for i in b) <= 80 or len(b) == 1 for b in batches)
+
+
+# -- the model that trains from the cache -------------------------------------------------------------
+
+def test_the_adapted_layers_alone_give_the_full_models_logits(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dsr1kit.model.partial import Passthrough, load_adapted_layers
+    from dsr1kit.train.hari import prefix_forward
+
+    full = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    part = load_adapted_layers(tiny_dir, 2, "cpu", dtype=torch.float32)
+    assert [type(m) for m in part.model.layers[:2]] == [Passthrough, Passthrough]
+    assert part.model.embed_tokens.weight.numel() == 0
+    ids = torch.randint(0, 500, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    with torch.no_grad():
+        hidden, _, _ = prefix_forward(full, {"input_ids": ids, "attention_mask": mask}, 2)
+        expected = full(input_ids=ids, attention_mask=mask).logits
+        got = part(inputs_embeds=hidden, attention_mask=mask).logits
+    assert torch.equal(expected[mask.bool()], got[mask.bool()])
+
+
+def test_r1_from_the_cache_fits_one_80gb_gpu_where_the_whole_model_does_not():
+    from dsr1kit.plan import Machine, hari_plan, prefix_pass_plan
+
+    p = P.load("20_hari_training", ["params/r1-671b-2x8h100/20_hari_training.yaml"])
+    one_gpu = Machine(1, 80 * 2**30, 1000 * 2**30)
+    assert not hari_plan(p, one_gpu).fits
+    cached = hari_plan(p.model_copy(update={"prefix_cache": "auto"}), one_gpu)
+    assert cached.fits and "prefix cache" in cached.step
+    weights = cached.devices[0].parts["weights"] / 2**30
+    assert 20 < weights < 26  # one MoE layer in bf16 (~21 GiB) + lm_head and norm
+    assert prefix_pass_plan(p, Machine(8, 80 * 2**30, 1000 * 2**30)).fits
+
+
+def test_the_cache_needs_the_fast_path():
+    with pytest.raises(P.ParamsError, match="prefix_cache 'auto' needs hari_impl 'fast'"):
+        P.load("20_hari_training", overrides={"prefix_cache": "auto", "hari_impl": "naive"})
+    with pytest.raises(P.ParamsError, match="give off, auto, or a folder"):
+        P.load("20_hari_training", overrides={"prefix_cache": " "})
