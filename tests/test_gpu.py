@@ -82,3 +82,36 @@ def test_qlora_training_run_on_cuda(tmp_path):
     tensors = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     lora_b = [t for k, t in tensors.items() if "lora_B" in k]
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)   # it learned (lora_B starts at zero)
+
+
+def _train_on_cuda(run_dir: Path, *extra: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsr1kit.train", "-f", "params/tiny/20_hari_training.yaml", "--run-dir", str(run_dir),
+         "-p", "dtype", "bfloat16", "-p", "device_map", "contiguous", "-p", "max_steps", "6", "-p", "log_every", "1",
+         "-p", "sample_limit", "64", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("cached_nf4", [False, True])
+def test_training_from_a_prefix_cache_built_with_nf4_experts_on_cuda(tmp_path, cached_nf4):
+    """R1's way: the prefix pass on the NF4 model (linears and experts), training from the cache with the adapted
+    layer in bf16 (default) or NF4, on cuda:0, with PagedAdamW8bit; the first step's loss is the uncached one's."""
+    nf4 = ["-p", "quantization", "nf4", "-p", "quantize_experts", "true"]
+    plain = _train_on_cuda(tmp_path / "plain", *nf4)
+    cached = _train_on_cuda(tmp_path / "cached", *nf4, "-p", "prefix_cache", str(tmp_path / "cache"),
+                            "-p", "cached_layers_nf4", str(cached_nf4).lower())
+    info = json.loads((tmp_path / "cached" / "run_info.json").read_text())
+    assert info["optimizer"] == "PagedAdamW8bit" and info["model"]["placement"] == "cuda:0"
+    assert info["model"]["quantize_experts"] is cached_nf4 and info["prefix_cache"]["dtype"] == "bfloat16"
+    assert all("cuda:0" in r["peak_memory_gib"] for r in cached)
+    # step 1 starts from the same weights: with an NF4 adapted layer the loss is the uncached (NF4) one up to bf16
+    # noise; with the layer in bf16 it is the better-precision layer, so only close
+    tolerance = 2e-2 if cached_nf4 else 1e-1
+    assert abs(cached[0]["loss"] - plain[0]["loss"]) <= tolerance * plain[0]["loss"], (cached[0], plain[0])
+    from safetensors.torch import load_file
+
+    lora_b = [t for k, t in load_file(tmp_path / "cached" / "adapter" / "adapter_model.safetensors").items()
+              if "lora_B" in k]
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)
