@@ -12,6 +12,8 @@ import math
 import resource
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,22 +193,36 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
     t_start = time.monotonic()
     bar = tqdm(total=total, initial=start, desc="HARI steps", disable=not info.is_main, mininterval=2)
     batches: dict[int, list[list[int]]] = {}
+
+    def micro_batch(step: int, micro: int) -> list[int]:
+        """Example indices of one micro-batch, from the (seed, epoch, rank) order."""
+        epoch, in_epoch = divmod(step, per_epoch)
+        if epoch not in batches:
+            batches[epoch] = epoch_batches(len(examples), p.seed, epoch, info.rank, info.world_size, p.batch_size)
+            batches.pop(epoch - 2, None)
+        return batches[epoch][in_epoch * p.grad_accum + micro]
+
+    def cached_states(step: int, micro: int):
+        chosen = [examples[i] for i in micro_batch(step, micro)]
+        return prefix.batch([e.id for e in chosen], max(len(e.input_ids) for e in chosen))
+
+    # with a prefix cache, the next micro-batch's hidden states are read from disk while this one trains
+    reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-read") if prefix is not None else None
+    ahead = reader.submit(cached_states, start, 0) if reader and start < total else None
     window = _new_window()
-    with StopRequest(run_dir) as stop:
+    with StopRequest(run_dir) as stop, reader or nullcontext():
         for step in range(start, total):
-            # --- data: this step's micro-batches, from the (seed, epoch, rank) order
-            epoch, in_epoch = divmod(step, per_epoch)
-            if epoch not in batches:
-                batches = {epoch: epoch_batches(len(examples), p.seed, epoch, info.rank, info.world_size,
-                                                p.batch_size)}
+            epoch = step // per_epoch
             bad = None
             # --- forward/backward over grad_accum micro-batches
             for micro in range(p.grad_accum):
-                idx = batches[epoch][in_epoch * p.grad_accum + micro]
+                idx = micro_batch(step, micro)
                 chosen = [examples[i] for i in idx]
                 batch = collate(chosen, tokenizer.pad_token_id, vocab)
-                if prefix is not None:
-                    batch["inputs_embeds"] = prefix.batch([e.id for e in chosen], batch["input_ids"].shape[1])
+                if ahead is not None:
+                    batch["inputs_embeds"] = ahead.result()
+                    after = (step, micro + 1) if micro + 1 < p.grad_accum else (step + 1, 0)
+                    ahead = reader.submit(cached_states, *after) if after[0] < total else None
                 batch = {k: v.to(device) for k, v in batch.items()}
                 parts = hari_loss(model, batch, p, first_layer)
                 if not torch.isfinite(parts.loss):
