@@ -161,7 +161,8 @@ def load_adapted(p, first_layer: int, local_rank: int = 0, tokenizer=None) -> Lo
 
     path = local_checkpoint(p.model)
     on_gpu = torch.cuda.is_available() and p.device_map != "cpu"
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    # one GPU per task shows each task its GPU as cuda:0; all of the node's GPUs: cuda:local_rank
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
     model = load_adapted_layers(path, first_layer, device, dtype=DTYPES[p.dtype], nf4=p.cached_layers_nf4,

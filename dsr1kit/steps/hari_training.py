@@ -150,6 +150,12 @@ def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
     hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
     layout = prefix.prepare_layout(folder, fp, examples, hidden, p.dtype, p.prefix_tokens_per_batch, p.prefix_shard_mib)
     mine = [s for k, s in enumerate(layout.shards) if k % info.world_size == info.rank]
+    missing = prefix.missing_shards(folder, layout)
+    if torch.cuda.is_available() and dist.any_rank(bool(missing) and info.local_rank > 0):
+        raise prefix.PrefixCacheError(
+            f"{folder} misses {len(missing)} of {len(layout.shards)} shards, and this job runs several ranks per node: "
+            f"each would load the whole model to fill its share. Fill it first with one task per node "
+            f"(slurm/hari_prefix.sbatch, or slurm/hari_cached.sh which chains both jobs)")
     if all((folder / s.file).is_file() for s in mine):
         return folder, fp, None
     prefix_pass_plan(p, Machine.detect()).check()
@@ -185,6 +191,22 @@ def prefix_only(p) -> dict[str, Any]:
     folder, _, built = fill_prefix_cache(p, info, prepare_data(p, tokenizer), tokenizer)
     return {"folder": str(folder), "task": info.rank, "tasks": info.world_size,
             "built": built or "nothing missing for this task"}
+
+
+def check_prefix_cache(p) -> dict[str, Any]:
+    """The complete cache this run would train from, described; PrefixCacheError naming what is missing or
+    differs. Nothing is loaded but the tokenizer and the data: a job of one process per GPU checks this once
+    before starting them."""
+    if p.prefix_cache == "off":
+        raise prefix.PrefixCacheError(
+            "prefix_cache is off: training one process per GPU needs a prefix cache. Pass the prefix job's "
+            "-p prefix_cache (auto or a folder), or train with slurm/hari_train.sbatch (one process per node)")
+    from ..model.load import local_checkpoint
+
+    tokenizer = load_tokenizer(p)
+    examples = prepare_data(p, tokenizer).encoded.examples
+    fp = prefix.fingerprint(p, local_checkpoint(p.model), tokenizer, examples, first_layer_of(p))
+    return prefix.PrefixCache(prefix_cache_folder(p, fp), fp).describe()
 
 
 def open_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> PrefixCacheReady | None:

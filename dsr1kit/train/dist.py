@@ -54,6 +54,8 @@ def init(info: DistInfo, timeout_s: float = 1800) -> DistInfo:
     """Join the process group (no-op for a single process)."""
     if info.world_size > 1 and not tdist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":  # before the first collective, so NCCL does not guess this rank's GPU
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         tdist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
                                  rank=info.rank, world_size=info.world_size,
                                  timeout=dt.timedelta(seconds=timeout_s))
