@@ -10,6 +10,7 @@ same way; the served-form line says so and this test checks it says so. On GPUs 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,6 +106,26 @@ def test_hari_on_r1_format_trains_the_reasoning(hari):
     plan = s["memory_plan"]  # the report's plan, computed from R1-format config before loading
     assert plan["fits"] and plan["facts"]["weights"] == "bfloat16, linears nf4, experts nf4"
     assert [r["device"] for r in plan["rows"]] == ["host"]
+
+
+def test_hari_from_the_prefix_cache_on_r1_format(runs, tmp_path):
+    """R1's params with the prefix cache: the pass streams the FP8 shards into NF4 (linears and experts), training
+    loads only the last layer from the FP8 shards (bf16) and trains from the cached bf16 states."""
+    import subprocess
+    import sys
+
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "dsr1kit.train", "-f", *_layered("20_hari_training"),
+                           "-p", "prefix_cache", str(cache), "--run-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["steps_done"] == 6 and (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert info["model"]["loaded_layers"] == "2-2 of 3" and info["model"]["dtype"] == "bfloat16"
+    layout = json.loads((cache / "cache.json").read_text())
+    assert layout["dtype"] == "bfloat16" and layout["fingerprint"]["quantization"] == "linears nf4, experts nf4"
+    assert info["prefix_cache"]["bytes_per_token"] == 2 * layout["hidden_size"]
+    assert info["prefix_cache"]["built_here"]["tokens_built"] == layout["tokens"] == info["prefix_cache"]["tokens"]
 
 
 def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
