@@ -63,11 +63,11 @@ train_opts=(--nodes="$nodes" --ntasks-per-node="$tasks" --gpus-per-node="$gpus")
 
 # The prefix job names the run folder after itself unless DSR1KIT_RUN_DIR is set; the training job is
 # then given that same folder.
-prefix_job=$(sbatch --parsable "${prefix_opts[@]}" "${extra[@]}" slurm/hari_prefix.sbatch "$PARAMS" "${params[@]}")
+prefix_job=$(sbatch --parsable "${prefix_opts[@]}" ${extra[@]+"${extra[@]}"} slurm/hari_prefix.sbatch "$PARAMS" "${params[@]}")
 prefix_job=${prefix_job%%;*}  # --parsable: "jobid[;cluster]"
 export DSR1KIT_RUN_DIR=${DSR1KIT_RUN_DIR:-${DSR1KIT_RUNS_DIR:-runs}/hari-cached-$prefix_job}
 train_job=$(sbatch --parsable --dependency=afterok:"$prefix_job" --kill-on-invalid-dep=yes "${train_opts[@]}" \
-  "${extra[@]}" slurm/hari_cached.sbatch "$PARAMS" "${params[@]}") || {
+  ${extra[@]+"${extra[@]}"} slurm/hari_cached.sbatch "$PARAMS" "${params[@]}") || {
   echo "error: submitting the training job failed; cancelling prefix job $prefix_job" >&2
   scancel "$prefix_job"
   exit 1

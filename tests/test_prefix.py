@@ -63,16 +63,26 @@ def test_training_from_the_cache_gives_the_uncached_adapter_and_a_second_run_reu
     assert _max_relative_difference(_adapter(tmp_path / "a"), _adapter(tmp_path / "b")) == 0.0
 
 
-def test_a_run_checkpointed_without_the_cache_resumes_from_it(tmp_path, uncached):
+def test_a_cached_run_resumes_from_its_checkpoint_and_may_not_switch_the_cache(tmp_path, uncached):
     import shutil
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(uncached / "checkpoints", run_dir / "checkpoints")
+    from dsr1kit.train.checkpoint import ResumeMismatch
+
+    cache = str(tmp_path / "cache")
+    _run(tmp_path / "whole", prefix_cache=cache)
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoints", run_dir / "checkpoints")
     shutil.rmtree(run_dir / "checkpoints" / "step-0000008")
     (run_dir / "checkpoints" / "latest").write_text("step-0000004")
-    info = _run(run_dir, prefix_cache=str(tmp_path / "cache"))
+    info = _run(run_dir, prefix_cache=cache)
     assert info["resumed_from"] == 4 and info["steps_done"] == 8
+    assert _max_relative_difference(_adapter(tmp_path / "whole"), _adapter(run_dir)) == 0.0
     assert _max_relative_difference(_adapter(uncached), _adapter(run_dir)) <= TOLERANCE
+    # a checkpoint made without the cache: on GPUs the cache changes the ranks and the adapted layer's precision
+    plain = tmp_path / "plain"
+    shutil.copytree(uncached / "checkpoints", plain / "checkpoints")
+    with pytest.raises(ResumeMismatch, match="prefix_cache: 'off' → "):
+        _run(plain, prefix_cache=cache)
 
 
 def _two_ranks(run_dir: Path, *extra: str) -> None:
@@ -142,9 +152,9 @@ def test_wavefront_over_stages_writes_the_same_tensors_as_the_sequential_pass(tm
         assert stats.shards_built == len(layout.shards) >= 2
     assert stats.stages == [0, 1, 2]
     a, b = _shards(seq), _shards(wave)
-    assert a.keys() == b.keys() == {e.id for e in examples}
+    assert a.keys() == b.keys() == {str(i) for i in range(len(examples))}
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
-    assert all(a[e.id].shape == (len(e.input_ids), model.config.hidden_size) for e in examples)
+    assert all(a[str(i)].shape == (len(e.input_ids), model.config.hidden_size) for i, e in enumerate(examples))
 
 
 def test_cached_states_are_what_the_first_adapted_layer_receives(tmp_path, tiny_setup):
@@ -155,11 +165,25 @@ def test_cached_states_are_what_the_first_adapted_layer_receives(tmp_path, tiny_
     layout = _layout(tmp_path, tiny_setup)
     prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
     cache = prefix.PrefixCache(tmp_path)
-    for e in examples[:5]:
+    for i, e in enumerate(examples[:5]):
         batch = collate([e], tokenizer.pad_token_id, model.config.vocab_size)
         with torch.no_grad():
             hidden, _, _ = prefix_forward(model, batch, 2)
-        torch.testing.assert_close(cache.hidden(e.id), hidden[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.hidden(i), hidden[0], rtol=1e-5, atol=1e-5)
+
+
+def test_samples_that_share_an_id_keep_their_own_states(tmp_path, tiny_setup):
+    """Datasets repeat ids across splits and files: the cache names samples by position."""
+    import dataclasses
+
+    p, tokenizer, examples, model = tiny_setup
+    twice = examples[:10] + [dataclasses.replace(e, input_ids=e.input_ids[:-3], labels=e.labels[:-3])
+                             for e in examples[:10]]
+    fp = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, twice, 2)
+    layout = prefix.prepare_layout(tmp_path, fp, twice, model.config.hidden_size, p.dtype, 512, 0.25)
+    prefix.build(model, twice, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
+    cache = prefix.PrefixCache(tmp_path)
+    assert [cache.hidden(i).shape[0] for i in (0, 10)] == [len(twice[0].input_ids), len(twice[0].input_ids) - 3]
 
 
 def test_an_error_in_a_stage_thread_reaches_the_caller(tiny_setup, monkeypatch):
@@ -215,6 +239,14 @@ def test_tasks_write_disjoint_shares(tmp_path, tiny_setup):
     assert [r.shards_built for r in runs] == [len(layout.shards[0::2]), len(layout.shards[1::2])]
     assert runs[0].shards_other_tasks == len(layout.shards[1::2])
     assert len(prefix.PrefixCache(tmp_path).where) == len(examples)
+
+
+def test_a_relative_cache_folder_means_the_project_root_wherever_it_runs(monkeypatch, tmp_path):
+    from dsr1kit.paths import PROJECT_ROOT
+    from dsr1kit.steps.hari_training import prefix_cache_folder
+
+    monkeypatch.chdir(tmp_path)  # papermill runs notebooks in notebooks/, jobs in the project root
+    assert prefix_cache_folder(_params(tmp_path, prefix_cache="runs/cache"), {}) == PROJECT_ROOT / "runs" / "cache"
 
 
 def test_a_cache_for_other_inputs_is_refused_field_by_field(tmp_path, tiny_setup):

@@ -174,6 +174,8 @@ def load_adapted(p, first_layer: int, local_rank: int = 0, tokenizer=None) -> Lo
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but {path} embeds {model.config.vocab_size}: "
                          f"the prefix cache needs a tokenizer that fits the model (prefix_cache: off resizes)")
+    if p.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n = model.config.num_hidden_layers
     info = {
         "path": path, "dtype": p.dtype, "quantization": "nf4" if p.cached_layers_nf4 else "none",

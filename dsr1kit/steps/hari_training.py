@@ -128,9 +128,12 @@ def prefix_cache_folder(p, fp: dict[str, str]) -> Path:
     """auto: one folder per fingerprint under the kit's cache (DSR1KIT_CACHE), so runs on the same inputs share it."""
     from ..tiny import cache_root
 
+    from ..paths import PROJECT_ROOT
+
     if p.prefix_cache == "auto":
         return cache_root() / "prefix" / prefix.fingerprint_id(fp)
-    return Path(p.prefix_cache).expanduser()
+    folder = Path(p.prefix_cache).expanduser()
+    return folder if folder.is_absolute() else PROJECT_ROOT / folder  # papermill runs in notebooks/: one meaning
 
 
 def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> tuple[Path, dict[str, str], dict | None]:
@@ -158,11 +161,17 @@ def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
             f"(slurm/hari_prefix.sbatch, or slurm/hari_cached.sh which chains both jobs)")
     if all((folder / s.file).is_file() for s in mine):
         return folder, fp, None
+    prefix.check_disk(folder, layout, missing)  # every task's share: they may all write to this one disk
     prefix_pass_plan(p, Machine.detect()).check()
     loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
+    failed = folder / f"failed-task{info.rank}"
+    failed.unlink(missing_ok=True)
     try:
         stats = prefix.build(loaded.model, examples, folder, layout, first, tokenizer.pad_token_id, task=info.rank,
                              tasks=info.world_size, pipeline=p.prefix_pipeline, progress=info.is_main)
+    except BaseException as err:
+        failed.write_text(f"{type(err).__name__}: {err}\n")  # ranks waiting for this share stop instead of hanging
+        raise
     finally:
         del loaded
         gc.collect()
@@ -215,8 +224,21 @@ def open_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
     if p.prefix_cache == "off":
         return None
     folder, fp, built = fill_prefix_cache(p, info, data, tokenizer)
-    dist.barrier()
+    wait_for_shards(folder)
     return PrefixCacheReady(prefix.PrefixCache(folder, fp), built, prefix_passes(folder))
+
+
+def wait_for_shards(folder: Path, poll_s: float = 2.0) -> None:
+    """Until every task's shards exist (the pass can outlast a collective's timeout, so no barrier), or a task
+    reports that its share failed."""
+    layout = prefix.CacheLayout.read(folder)
+    since = time.time() - 60  # a marker older than this wait is from an earlier job; its task is redoing its share
+    while prefix.missing_shards(folder, layout):
+        failed = sorted(f for f in folder.glob("failed-task*") if f.stat().st_mtime >= since)
+        if failed:
+            raise prefix.PrefixCacheError(f"the prefix pass failed on {failed[0].name.removeprefix('failed-')}: "
+                                          f"{failed[0].read_text().strip()} (see that rank's log)")
+        time.sleep(poll_s)
 
 
 def prefix_table(cache: PrefixCacheReady | None) -> dict[str, Any]:

@@ -73,8 +73,9 @@ def latest(run_dir: str | Path) -> Path | None:
 # model, LoRA shape, optimisation, loss) would mix two runs in one adapter or fail on a shape mismatch.
 MAY_CHANGE_ON_RESUME = frozenset({"run_dir", "resume", "log_every", "save_every", "offload_dir", "device_map",
                                   "max_memory_gib_per_gpu", "cpu_max_memory_gib", "grad_checkpointing",
-                                  # where the frozen prefix's output comes from: the same tensors either way
-                                  "prefix_cache", "prefix_tokens_per_batch", "prefix_shard_mib", "prefix_pipeline"})
+                                  # how the prefix pass batches and stores (prefix_cache itself may not change:
+                                  # on GPUs it changes the number of ranks and the adapted layer's precision)
+                                  "prefix_tokens_per_batch", "prefix_shard_mib", "prefix_pipeline"})
 
 
 class ResumeMismatch(ValueError):

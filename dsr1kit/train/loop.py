@@ -203,8 +203,8 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
         return batches[epoch][in_epoch * p.grad_accum + micro]
 
     def cached_states(step: int, micro: int):
-        chosen = [examples[i] for i in micro_batch(step, micro)]
-        return prefix.batch([e.id for e in chosen], max(len(e.input_ids) for e in chosen))
+        idx = micro_batch(step, micro)
+        return prefix.batch(idx, max(len(examples[i].input_ids) for i in idx))
 
     # with a prefix cache, the next micro-batch's hidden states are read from disk while this one trains
     reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-read") if prefix is not None else None

@@ -6,8 +6,11 @@ pure function of the sample. Running those frozen layers on every step of
 every epoch is most of a full-depth step's time (60 of R1's 61 layers); this
 module runs them once, forward only, and stores the result:
 
-    <cache>/cache.json               fingerprint, hidden size, dtype, the shard plan (ids, lengths)
-    <cache>/shard-00000.safetensors  one tensor [length, hidden] per sample, named by sample id
+    <cache>/cache.json               fingerprint, hidden size, dtype, the shard plan (samples, lengths)
+    <cache>/shard-00000.safetensors  one tensor [length, hidden] per sample, named by its position in the data
+
+Samples are named by position, not by their id: datasets often repeat ids
+across splits or files, and the fingerprint pins the order anyway.
 
 Samples are sorted by length and packed into micro-batches of about
 ``tokens_per_batch`` padded tokens, and batches into shards of about
@@ -35,8 +38,10 @@ import json
 import os
 import queue
 import shutil
+import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -147,7 +152,7 @@ def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
 @dataclass
 class ShardPlan:
     file: str
-    ids: list[str]
+    samples: list[int]  # positions in the encoded examples
     lengths: list[int]
 
     @property
@@ -167,7 +172,7 @@ def plan_shards(examples: list[Encoded], tokens_per_batch: int, shard_tokens: in
             current = []
     if current:
         shards.append(current)
-    return [ShardPlan(SHARD.format(k), [examples[i].id for i in idx], [lengths[i] for i in idx])
+    return [ShardPlan(SHARD.format(k), list(idx), [lengths[i] for i in idx])
             for k, idx in enumerate(shards)]
 
 
@@ -217,9 +222,11 @@ def check_disk(directory: Path, layout: CacheLayout, todo: list[ShardPlan]) -> i
 
 
 def _write_layout(directory: Path, layout: CacheLayout) -> None:
-    tmp = directory / f".{INDEX}.{os.getpid()}"
-    tmp.write_text(layout.to_json())
-    tmp.replace(directory / INDEX)
+    """Whole or absent, and a private temp name: tasks on several nodes may write it at once (same content)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{INDEX}.", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        f.write(layout.to_json())
+    os.replace(tmp, directory / INDEX)
 
 
 def prepare_layout(directory: str | Path, fp: dict[str, str], examples: list[Encoded], hidden_size: int,
@@ -350,6 +357,11 @@ def wavefront_pass(model, batches: list[list[Encoded]], first_layer: int, pad_id
             yield item[0]
     finally:
         stop.set()
+        for link in links:  # wake a stage blocked on an empty queue
+            try:
+                link.put_nowait(None)
+            except queue.Full:
+                pass
         for t in threads:
             t.join(timeout=5)
 
@@ -380,7 +392,6 @@ def build(model, examples: list[Encoded], directory: str | Path, layout: CacheLa
           progress: bool = True) -> BuildStats:
     """Write this task's missing shards (shard i belongs to task i % tasks); the others are left alone."""
     directory = Path(directory)
-    by_id = {e.id: e for e in examples}
     mine = [s for k, s in enumerate(layout.shards) if k % tasks == task]
     todo = [s for s in mine if not (directory / s.file).is_file()]
     stats = BuildStats(str(directory), len(layout.shards), shards_reused=len(mine) - len(todo),
@@ -395,25 +406,31 @@ def build(model, examples: list[Encoded], directory: str | Path, layout: CacheLa
     bounds = stage_bounds(model, first_layer, stages)
     stats.stages = bounds
     dtype = getattr(torch, layout.dtype)
+    # every micro-batch of every missing shard, in shard order, through one wavefront (no refill per shard)
+    plan = [(k, [shard.samples[i] for i in b]) for k, shard in enumerate(todo)
+            for b in length_batches(shard.lengths, layout.tokens_per_batch)]
+    left = Counter(k for k, _ in plan)
+    batches = [[examples[i] for i in positions] for _, positions in plan]
+    run = (wavefront_pass(model, batches, first_layer, pad_id, bounds) if pipeline and len(bounds) > 2
+           else sequential_pass(model, batches, first_layer, pad_id))
     bar = tqdm(total=sum(s.tokens for s in todo), desc=f"prefix pass (task {task})", unit="tok", unit_scale=True,
                disable=not progress, mininterval=2)
     started = time.monotonic()
     model.eval()
-    for shard in todo:
-        lengths = dict(zip(shard.ids, shard.lengths))
-        batches = [[by_id[shard.ids[i]] for i in b] for b in length_batches(shard.lengths, layout.tokens_per_batch)]
-        run = (wavefront_pass(model, batches, first_layer, pad_id, bounds) if pipeline and len(bounds) > 2
-               else sequential_pass(model, batches, first_layer, pad_id))
-        tensors: dict[str, torch.Tensor] = {}
-        for examples_in_batch, hidden in zip(batches, run):
-            stats.padded_tokens += hidden.shape[0] * hidden.shape[1]
-            for row, e in enumerate(examples_in_batch):
-                n = lengths[e.id]
-                tensors[e.id] = hidden[row, :n].to(device="cpu", dtype=dtype).contiguous()
-            bar.update(sum(lengths[e.id] for e in examples_in_batch))
+    tensors: dict[str, torch.Tensor] = {}
+    for (k, positions), hidden in zip(plan, run):
+        stats.padded_tokens += hidden.shape[0] * hidden.shape[1]
+        for row, i in enumerate(positions):
+            tensors[str(i)] = hidden[row, :len(examples[i].input_ids)].to(device="cpu", dtype=dtype).contiguous()
+        bar.update(sum(len(examples[i].input_ids) for i in positions))
+        left[k] -= 1
+        if left[k]:
+            continue
+        shard = todo[k]
         tmp = directory / f".{shard.file}.{os.getpid()}.tmp"
         save_file(tensors, str(tmp), metadata={"first_adapted_layer": str(first_layer)})
         tmp.replace(directory / shard.file)  # whole or absent: a kill before this line redoes the shard
+        tensors = {}
         stats.shards_built += 1
         stats.tokens_built += shard.tokens
         stats.seconds = time.monotonic() - started
@@ -431,7 +448,8 @@ class PrefixCache:
         self.directory = Path(directory)
         if not (self.directory / INDEX).is_file():
             raise PrefixCacheError(f"{self.directory} holds no prefix cache ({INDEX} missing): run the prefix pass "
-                                   f"first (python -m dsr1kit.train.prefix, or prefix_cache: auto)")
+                                   f"first (python -m dsr1kit.train --prefix-only, slurm/hari_prefix.sbatch, or "
+                                   f"notebook 20 on one machine)")
         self.layout = CacheLayout.read(self.directory)
         if expected is not None:
             diff = differences(self.layout.fingerprint, expected)
@@ -442,8 +460,9 @@ class PrefixCache:
         if missing:
             raise PrefixCacheError(
                 f"{self.directory} is incomplete: {len(missing)} of {len(self.layout.shards)} shards missing (e.g. "
-                f"{missing[0].file}). Rerun the prefix pass on the same folder; it writes only the missing shards")
-        self.where = {i: s.file for s in self.layout.shards for i in s.ids}
+                f"{missing[0].file}). Rerun the prefix pass on the same folder (python -m dsr1kit.train --prefix-only, "
+                f"or slurm/hari_prefix.sbatch); it writes only the missing shards")
+        self.where = {i: s.file for s in self.layout.shards for i in s.samples}
         self._handles: dict[str, Any] = {}
 
     def _handle(self, file: str):
@@ -451,16 +470,17 @@ class PrefixCache:
             self._handles[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
         return self._handles[file]
 
-    def hidden(self, sample_id: str) -> torch.Tensor:
-        if sample_id not in self.where:
-            raise PrefixCacheError(f"sample {sample_id!r} is not in the prefix cache {self.directory}")
-        return self._handle(self.where[sample_id]).get_tensor(sample_id)
+    def hidden(self, position: int) -> torch.Tensor:
+        """The stored states of the sample at ``position`` in the encoded examples."""
+        if position not in self.where:
+            raise PrefixCacheError(f"sample {position} is not in the prefix cache {self.directory}")
+        return self._handle(self.where[position]).get_tensor(str(position))
 
-    def batch(self, sample_ids: list[str], width: int) -> torch.Tensor:
+    def batch(self, positions: list[int], width: int) -> torch.Tensor:
         """[B, width, H], each sample's hidden states then zeros (right padding, as collate pads ids)."""
-        out = torch.zeros(len(sample_ids), width, self.layout.hidden_size, dtype=getattr(torch, self.layout.dtype))
-        for row, sid in enumerate(sample_ids):
-            h = self.hidden(sid)
+        out = torch.zeros(len(positions), width, self.layout.hidden_size, dtype=getattr(torch, self.layout.dtype))
+        for row, position in enumerate(positions):
+            h = self.hidden(position)
             out[row, :h.shape[0]] = h
         return out
 
