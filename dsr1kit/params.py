@@ -333,9 +333,52 @@ class InspectParams(NotebookParams):
         return value
 
 
+SET_BY_SWEEP = ("run_dir", "model", "dataset", "lambda_kl", "seed", "system_prompt", "max_len")
+
+
+class SweepParams(NotebookParams):
+    notebook: str = Field("40_forgetting_sweep", exclude=True, repr=False)
+    model: str = Field("tiny", description="Base model of every run (HF repo, local dir, or 'tiny')",
+                       json_schema_extra=section("tasks"))
+    task_b_train: str = Field("data/task_b_train.jsonl", description="Training data: the new task B")
+    task_b_eval: str = Field("data/task_b_eval.jsonl", description="Held-out rows of task B")
+    task_a_eval: str = Field("data/task_a_eval.jsonl", description="Held-out rows of the old task A (what "
+                                                                   "should not be forgotten)")
+    eval_limit: int = Field(200, ge=1, description="Rows per evaluation set")
+    system_prompt: str = Field("You are DeepSeek-R1.", description="System prompt of training and evaluation")
+    max_len: int = Field(256, ge=16, description="Tokens per sample, in training and evaluation")
+    lambdas: list[float] = Field([0.0, 0.05, 0.2, 0.9, 2.0], description="KL weights swept (0: plain SFT)",
+                                 json_schema_extra=section("sweep"))
+    seeds: list[int] = Field([0, 1, 2], description="Seeds per KL weight (data order and LoRA init)")
+    hari: dict[str, Any] = Field({"epochs": 2}, description="Notebook 20 parameters for every run (not those "
+                                 "the sweep sets: run_dir model dataset lambda_kl seed system_prompt max_len)")
+    kl_span: Literal["answer", "all"] = Field("answer", description="Tokens KL(base||adapted) is measured on")
+
+    @field_validator("lambdas", "seeds")
+    @classmethod
+    def _not_empty(cls, value: list) -> list:
+        if not value or len(set(value)) != len(value):
+            raise ValueError("give at least one value, each once")
+        if any(v < 0 for v in value):
+            raise ValueError("values must be >= 0")
+        return value
+
+    @field_validator("hari")
+    @classmethod
+    def _hari_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if k in SET_BY_SWEEP]
+        unknown = [k for k in value if k not in HariParams.keys()]
+        if bad:
+            raise ValueError(f"{bad} are set by the sweep itself; remove them from hari")
+        if unknown:
+            raise ValueError(f"unknown notebook 20 parameter(s) {unknown}; valid: {', '.join(HariParams.keys())}")
+        HariParams(**value)  # each value must be valid for notebook 20
+        return value
+
+
 MODELS: dict[str, type[NotebookParams]] = {
     m.model_fields["notebook"].default: m
-    for m in (ClusterCheckParams, InferenceParams, HariParams, InspectParams)
+    for m in (ClusterCheckParams, InferenceParams, HariParams, InspectParams, SweepParams)
 }
 
 

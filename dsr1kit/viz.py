@@ -166,3 +166,10 @@ def kl_histogram(results: list[Any]):
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def rows_table(rows: list[dict[str, Any]]):
+    """A list of same-keyed dicts as a table (one row each)."""
+    import pandas as pd
+
+    return pd.DataFrame(rows).style.hide(axis="index")

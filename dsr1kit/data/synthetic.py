@@ -9,6 +9,11 @@
 - ``eval_tiny.jsonl``: held-out questions of the same kinds, with a category.
 - ``retain_tiny.jsonl``: plain sentences unrelated to the SFT tasks, used to
   measure how far an adapter moved the model on text it was not trained on.
+- ``task_a_eval.jsonl``, ``task_b_train.jsonl``, ``task_b_eval.jsonl``: the
+  forgetting experiment (notebook 40). Task A names the *first* word of a
+  list, task B the *last*: the same question shape, vocabulary and answer
+  format, so learning B can overwrite A. Lists are drawn at random, so the
+  evaluation rows are new lists, not repeats of training rows.
 """
 
 from __future__ import annotations
@@ -87,6 +92,20 @@ def _larger(rng: random.Random) -> dict:
 
 
 MAKERS = (_addition, _subtraction, _reverse, _capital, _fruit, _larger)
+LIST_WORDS = sorted(set(WORDS + FRUITS + OBJECTS))
+POSITION_TASKS = {"A": "first", "B": "last"}
+
+
+def make_position_rows(task: str, n: int, seed: int) -> list[dict]:
+    """Task A ("Which word comes first in: …?") or B ("… last …"), 3 to 5 distinct words, answer block only."""
+    rng = random.Random(seed)
+    which = POSITION_TASKS[task]
+    rows = []
+    for i in range(n):
+        words = rng.sample(LIST_WORDS, rng.randint(3, 5))
+        rows.append({"id": f"task{task.lower()}-{seed}-{i:04d}", "question": f"Which word comes {which} in: "
+                     f"{' '.join(words)}?", "answer": words[0] if task == "A" else words[-1], "category": f"task {task}"})
+    return rows
 
 
 def make_rows(n: int, seed: int, prefix: str) -> list[dict]:
@@ -128,7 +147,11 @@ def main(out_dir: str = "data") -> None:
     write_jsonl(out / "sft_tiny.jsonl", make_rows(360, seed=1, prefix="sft"))
     write_jsonl(out / "eval_tiny.jsonl", make_rows(96, seed=2, prefix="eval"))
     write_jsonl(out / "retain_tiny.jsonl", make_retain(64, seed=3))
-    print(f"wrote sft_tiny.jsonl, eval_tiny.jsonl, retain_tiny.jsonl under {out}")
+    write_jsonl(out / "task_a_eval.jsonl", make_position_rows("A", 200, seed=21))
+    write_jsonl(out / "task_b_train.jsonl", make_position_rows("B", 320, seed=31))
+    write_jsonl(out / "task_b_eval.jsonl", make_position_rows("B", 200, seed=22))
+    print(f"wrote sft_tiny.jsonl, eval_tiny.jsonl, retain_tiny.jsonl, task_a_eval.jsonl, task_b_train.jsonl, "
+          f"task_b_eval.jsonl under {out}")
 
 
 if __name__ == "__main__":
