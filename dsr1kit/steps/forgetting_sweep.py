@@ -4,17 +4,20 @@ A point is one HARI run (notebook 20's steps, with the sweep's λ and seed) in
 ``<run>/points/lambda<λ>-seed<s>/`` followed by its measurement
 (``dsr1kit.forgetting``), written to ``result.json`` there. A point with a
 result is never redone, so a rerun or a Slurm job array
-(``slurm/forgetting_sweep.sbatch``: one point per array task, then this
-notebook once to report) does only what is missing. The base model's
-accuracies are measured once (``base.json``) and shared by every point.
-With ``hari: {prefix_cache: auto}`` every point trains from one prefix cache:
-λ and seed are not part of its fingerprint.
+(``slurm/forgetting_sweep.sh`` submits one point per task of a job array,
+then this notebook once to report) does only what is missing. The base
+model's accuracies are measured once (``base.json``) and shared by every
+point. With ``hari: {prefix_cache: auto}`` every point trains from one prefix
+cache (λ and seed are not part of its fingerprint); under a job array, fill
+it first (``python -m dsr1kit.train --prefix-only`` with the same settings)
+so that the array's tasks do not all build it at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +92,9 @@ def base_accuracy(p, run_dir: str | Path) -> tuple[float, float]:
     acc = [forgetting.accuracy(forgetting.answer_matches(model, tokenizer, rows, p.system_prompt, p.max_len))
            for rows in (rows_a, rows_b)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"acc_a": acc[0], "acc_b": acc[1], "n_a": len(rows_a), "n_b": len(rows_b)}))
+    tmp = path.with_name(f".base.json.{os.getpid()}")  # array tasks may measure it at the same time: same numbers
+    tmp.write_text(json.dumps({"acc_a": acc[0], "acc_b": acc[1], "n_a": len(rows_a), "n_b": len(rows_b)}))
+    tmp.replace(path)
     return acc[0], acc[1]
 
 
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsr1kit.steps.forgetting_sweep", description=main.__doc__)
     ap.add_argument("-f", "--params-file", action="append", default=[])
     ap.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
-    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--run-dir", default="", help="the sweep's run folder (needed with --point)")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--point", type=int)
     group.add_argument("--count", action="store_true")
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.count:
         print(len(todo))
         return 0
+    if not args.run_dir:
+        print("error: --point needs --run-dir (the sweep's run folder)", file=sys.stderr)
+        return 2
     if not 0 <= args.point < len(todo):
         print(f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",
               file=sys.stderr)
