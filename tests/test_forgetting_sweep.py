@@ -1,87 +1,39 @@
-"""Notebook 40 end to end on the tiny model: a reduced sweep (2 λ × 2 seeds) trains, measures, reports numbers
-computed from the points' own result files, and a rerun redoes nothing."""
+"""Notebook 40's parameters and its one-point runner; the sweep itself runs end to end (Slurm job array, then the
+notebook) in tests/test_forgetting_sweep_sbatch.py, which checks the report against the points' own results."""
 
 from __future__ import annotations
 
-import json
-import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dsr1kit import forgetting
-
-REDUCED = ["-p", "lambdas", "[0, 0.9]", "-p", "seeds", "[0, 1]", "-p", "eval_limit", "24",
-           "-p", "hari", "{max_steps: 4, sample_limit: 32, log_every: 2}"]
+ROOT = Path(__file__).resolve().parent.parent
+REDUCED = ["-p", "lambdas", "[0, 0.9]", "-p", "seeds", "[0, 1]"]
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    from conftest import run_cli
-
-    runs = tmp_path_factory.mktemp("sweep")
-    proc = run_cli("run", "notebooks/40_forgetting_sweep.ipynb", "-f", "params/tiny/40_forgetting_sweep.yaml",
-                   *REDUCED, "--runs-dir", str(runs), "-q")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return next(runs.iterdir())
-
-
-def _same(a: float, b: float) -> bool:
-    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-15)
-
-
-def test_every_point_is_a_hari_run_measured_on_both_tasks(sweep):
-    points = sorted((sweep / "points").glob("lambda*-seed*"))
-    assert [p.name for p in points] == ["lambda0-seed0", "lambda0-seed1", "lambda0.9-seed0", "lambda0.9-seed1"]
-    for p in points:
-        info = json.loads((p / "run_info.json").read_text())
-        result = json.loads((p / "result.json").read_text())
-        assert info["steps_done"] == 4 and info["dataset"] == "data/task_b_train.jsonl"
-        latest = (p / "checkpoints" / "latest").read_text().strip()
-        trained = json.loads((p / "checkpoints" / latest / "params.json").read_text())
-        assert (trained["lambda_kl"], trained["seed"]) == (result["lambda_kl"], result["seed"])
-        assert result["n_a"] == result["n_b"] == 24 and result["kl_a"] >= 0 and result["kl_b"] >= 0
-
-
-def test_report_numbers_are_computed_from_the_points_results(sweep):
-    results = [forgetting.PointResult.from_dict(json.loads(p.read_text()))
-               for p in sorted((sweep / "points").glob("*/result.json"))]
-    summary = json.loads((sweep / "summary.json").read_text())
-    assert sorted(summary["points"], key=lambda r: (r["lambda_kl"], r["seed"])) == \
-        sorted([r.to_dict() for r in results], key=lambda r: (r["lambda_kl"], r["seed"]))
-    expected = forgetting.by_lambda(results)
-    assert len(summary["by_lambda"]) == len(expected) == 2
-    for got, want in zip(summary["by_lambda"], expected):
-        for key, value in want.to_dict().items():
-            assert got[key] == value if not isinstance(value, float) else _same(got[key], value), key
-    fit = forgetting.fit_line([r.kl_a for r in results], [r.a_drop for r in results])
-    assert _same(summary["forgetting_vs_kl"]["slope"], fit.slope)
-    assert summary["headline"] == forgetting.sweep_verdict(results).headline
-    html = (sweep / "report.html").read_text()
-    assert "Verdict:" in html and summary["headline"].split(":")[0] in html
-    assert (sweep / "figures" / "frontier.png").is_file() and (sweep / "figures" / "forgetting_vs_kl.png").is_file()
-
-
-def test_a_rerun_reads_every_point_back(sweep, cli):
-    before = {p: p.stat().st_mtime_ns for p in (sweep / "points").rglob("*") if p.is_file()}
-    proc = cli("run", "notebooks/40_forgetting_sweep.ipynb", "-f", "params/tiny/40_forgetting_sweep.yaml",
-               *REDUCED, "--run-dir", str(sweep), "-q")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    after = {p: p.stat().st_mtime_ns for p in (sweep / "points").rglob("*") if p.is_file()}
-    assert after == before  # nothing retrained or remeasured
-
-
-def test_one_point_alone_and_a_point_outside_the_sweep(sweep, tmp_path):
-    import subprocess
-    import sys
-
-    base = [sys.executable, "-m", "dsr1kit.steps.forgetting_sweep", *REDUCED, "--run-dir", str(sweep)]
-    count = subprocess.run([*base, "--count"], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert count.stdout.strip() == "4"
-    done = subprocess.run([*base, "--point", "3"], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and json.loads(done.stdout)["lambda_kl"] == 0.9  # measured: read back
-    bad = subprocess.run([*base, "--point", "4"], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+def test_the_runner_counts_points_and_refuses_one_outside_the_sweep(tmp_path):
+    base = [sys.executable, "-m", "dsr1kit.steps.forgetting_sweep", *REDUCED]
+    count = subprocess.run([*base, "--count"], capture_output=True, text=True, cwd=ROOT)
+    assert count.returncode == 0 and count.stdout.strip() == "4"
+    bad = subprocess.run([*base, "--run-dir", str(tmp_path), "--point", "4"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "outside the sweep's 4 points (0-3)" in bad.stderr
+    no_dir = subprocess.run([*base, "--point", "0"], capture_output=True, text=True, cwd=ROOT)
+    assert no_dir.returncode == 2 and "--point needs --run-dir" in no_dir.stderr
+    assert not list(tmp_path.iterdir())  # nothing trained or written
+
+
+def test_points_are_lambda_major_and_each_is_a_notebook_20_run_with_its_lambda_and_seed(tmp_path):
+    from dsr1kit import params as P
+    from dsr1kit.steps import forgetting_sweep as sweep
+
+    p = P.load("40_forgetting_sweep", overrides={"lambdas": [0, 0.9], "seeds": [0, 1], "hari": {"epochs": 3}})
+    pts = sweep.points(p)
+    assert [(pt.index, pt.lambda_kl, pt.seed) for pt in pts] == [(0, 0, 0), (1, 0, 1), (2, 0.9, 0), (3, 0.9, 1)]
+    hp = sweep.point_params(p, pts[3], tmp_path)
+    assert (hp.lambda_kl, hp.seed, hp.epochs, hp.dataset) == (0.9, 1, 3, "data/task_b_train.jsonl")
+    assert hp.run_dir == str(tmp_path / "points" / "lambda0.9-seed1")
 
 
 def test_sweep_parameters_refuse_what_the_sweep_sets_and_unknown_keys():

@@ -81,6 +81,16 @@ def test_one_point_per_array_task_then_a_report_that_trains_nothing(slurm, tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert _canonical(summary["points"]) == _canonical(results)
     assert "Verdict" in (run / "report.html").read_text()
+    # the report's numbers are computed from the points' own results: per-λ statistics, the fit, the verdict
+    from dsr1kit import forgetting
+
+    measured = [forgetting.PointResult.from_dict(r) for r in results]
+    assert _canonical(summary["by_lambda"]) == _canonical([s.to_dict() for s in forgetting.by_lambda(measured)])
+    fit = forgetting.fit_line([r.kl_a for r in measured], [r.a_drop for r in measured])
+    assert _canonical([summary["forgetting_vs_kl"]]) == _canonical([{"slope": fit.slope, "intercept": fit.intercept,
+                                                                      "r2": fit.r2}])
+    assert summary["headline"] == forgetting.sweep_verdict(measured).headline
+    assert (run / "figures" / "frontier.png").is_file() and (run / "figures" / "forgetting_vs_kl.png").is_file()
 
     # the report job trained nothing: no HARI steps in its log, and nothing under points/ was written after
     # it started (the times Slurm shows are whole seconds: one of slack for what the array wrote last)
