@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,9 @@ def record_summary(run_dir: str | Path, headline: str = "", **metrics: Any) -> d
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Whole or absent. The temp name is this process's own: ranks of one run may write the file at once, and a
+    shared temp name made one rank's rename fail (FileNotFoundError) after the other had moved it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
 
