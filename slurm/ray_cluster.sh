@@ -16,6 +16,7 @@
 #   RAY_TMP_ROOT             where per-node temp dirs go (default /tmp: socket paths must stay short)
 #   RAY_WAIT_S               how long `up` waits for every node (default 300)
 #   DSR1KIT_RAY_OBJECT_STORE_BYTES  cap the object store (default: Ray's 30% of RAM)
+#   DSR1KIT_RAY_WORKER_TRIES 3 (default): starts of a worker whose raylet failed to register in time
 #   DSR1KIT_RAY_STOP_ALL     1 (default): also `ray stop --force`, the recipe's reset, right on whole
 #                            nodes; 0: only this job's Ray processes (a node shared with other Ray users)
 set -euo pipefail
@@ -59,7 +60,23 @@ case "$role" in
     : "${RAY_AGENT_PORT:=$((${head##*:} + 3 + ${NODE_INDEX:-1}))}"
     mapfile -t common < <(common_args "$tmp")
     # --block: under srun the step must live as long as the worker, or Slurm reaps its processes.
-    exec ray start --address="$head" --node-ip-address="$ip" --block "${common[@]}" "$@"
+    # A worker whose raylet does not register with the head in time (Ray waits a fixed 30 s; seen on
+    # loaded hosts) exits at once: stop what it left under its temp dir and start it again, up to
+    # DSR1KIT_RAY_WORKER_TRIES times. One that ran past the start-up window ended for another reason
+    # (stopped by `down`, or lost): it is not restarted.
+    tries=${DSR1KIT_RAY_WORKER_TRIES:-3}
+    for ((try = 1; ; try++)); do
+      started=$SECONDS
+      ray start --address="$head" --node-ip-address="$ip" --block "${common[@]}" "$@" && exit 0
+      rc=$?
+      if (( SECONDS - started > ${DSR1KIT_RAY_WORKER_STARTUP_S:-120} || try >= tries )); then
+        exit "$rc"
+      fi
+      echo "warning: the Ray worker on $ip did not start (rc=$rc, try $try of $tries): stopping its" \
+           "processes and starting it again" >&2
+      "$PY" -m dsr1kit.cluster.ray stop --temp-dir "$tmp" >&2 || true
+      sleep 2
+    done
     ;;
   stop)
     [ $# -eq 1 ] || usage

@@ -97,3 +97,43 @@ def test_stop_ends_only_that_node_and_removes_its_temp_dir(cluster):
         pids = R.stop(temp)
     assert pids and not temp.exists() and not R._holders(temp)
     assert len(R.cluster_state(cluster["address"])["nodes"]) == 2
+
+
+def _fake_ray(tmp_path: Path, script: str) -> dict[str, str]:
+    """PATH with a `ray` that logs its calls and runs `script` (bash; $n is this call's number)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ray"
+    fake.write_text(f'#!/bin/bash\nn=$(( $(wc -l < {tmp_path}/calls 2>/dev/null || echo 0) + 1 ))\n'
+                    f'echo "$*" >> {tmp_path}/calls\n{script}\n')
+    fake.chmod(0o755)
+    import sys
+
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+
+
+def _worker(tmp_path: Path, env: dict[str, str]):
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(["bash", "slurm/ray_cluster.sh", "worker", WORKER_IP, f"{HEAD_IP}:1", str(tmp_path / "t")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_worker_that_fails_to_register_is_started_again(tmp_path):
+    """Ray's raylet has a fixed 30 s to register with the head; on a loaded host it can miss it and
+    `ray start` exits at once. The worker role stops its leftovers and starts it again."""
+    proc = _worker(tmp_path, _fake_ray(tmp_path, '[ "$n" -ge 2 ] && exit 0; echo "raylet did not register" >&2; exit 1'))
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and all(c.startswith(f"start --address={HEAD_IP}:1") for c in calls)
+    assert "did not start (rc=1, try 1 of 3)" in proc.stderr
+
+
+def test_a_worker_that_never_starts_gives_up_with_rays_exit_code(tmp_path):
+    env = {**_fake_ray(tmp_path, "exit 3"), "DSR1KIT_RAY_WORKER_TRIES": "2"}
+    proc = _worker(tmp_path, env)
+    assert proc.returncode == 3
+    assert len((tmp_path / "calls").read_text().splitlines()) == 2
