@@ -344,9 +344,12 @@ def _pm(mean: float, std: float) -> str:
 def sweep_verdict(results: list[PointResult]) -> Verdict:
     """Does λ > 0 forget less of A than λ = 0, beyond the seed spread, and what did it cost on B?
 
-    "Helps" only when the best λ > 0 (lowest mean A drop) is below λ = 0's mean A drop by more than
-    the two seed stds added together. A λ = 0 that forgets nothing (mean A drop not above its seed
-    std) leaves nothing for the KL term to prevent: the sweep then says nothing about HARI.
+    "Helps" when some λ > 0 has a mean A drop below λ = 0's by more than the two seed stds added
+    together, while its B gain is not below λ = 0's by more than those two stds (of the gain). Less
+    forgetting bought with clearly less learning is reported as a trade-off, not as help: stopping
+    plain SFT earlier might buy the same (the sweep does not measure that). A λ = 0 that forgets
+    nothing (mean A drop not above its seed std) leaves nothing to prevent: the sweep then says
+    nothing about HARI.
     """
     if not results:
         return Verdict(FAIL, "no sweep results to judge")
@@ -357,22 +360,37 @@ def sweep_verdict(results: list[PointResult]) -> Verdict:
         missing = "λ = 0 (plain LoRA, the baseline)" if zero is None else "any λ > 0"
         return Verdict(FAIL, f"the sweep has no run with {missing}: nothing to compare",
                        [f"λ values present: {', '.join(f'{g.lambda_kl:g}' for g in groups)}"])
-    best = min(others, key=lambda g: (g.a_drop_mean, -g.b_gain_mean))
+
+    def reduction(g):
+        return zero.a_drop_mean - g.a_drop_mean
+
+    def cost(g):
+        return zero.b_gain_mean - g.b_gain_mean
+
+    def clear_cut(g):
+        return reduction(g) > zero.a_drop_std + g.a_drop_std
+
+    def affordable(g):
+        return cost(g) <= zero.b_gain_std + g.b_gain_std
+
+    helping = [g for g in others if clear_cut(g) and affordable(g)]
+    best = (max(helping, key=reduction) if helping
+            else min(others, key=lambda g: (g.a_drop_mean, -g.b_gain_mean)))
     lines = [f"λ = 0: A drop {_pm(zero.a_drop_mean, zero.a_drop_std)}, B gain "
              f"{_pm(zero.b_gain_mean, zero.b_gain_std)}, KL on A {zero.kl_a_mean:.4g} ({zero.n} seed(s))",
-             f"best λ > 0 = {best.lambda_kl:g}: A drop {_pm(best.a_drop_mean, best.a_drop_std)}, B gain "
-             f"{_pm(best.b_gain_mean, best.b_gain_std)}, KL on A {best.kl_a_mean:.4g} ({best.n} seed(s))"]
+             f"{'best' if helping else 'least forgetting'} λ > 0 = {best.lambda_kl:g}: A drop "
+             f"{_pm(best.a_drop_mean, best.a_drop_std)}, B gain {_pm(best.b_gain_mean, best.b_gain_std)}, "
+             f"KL on A {best.kl_a_mean:.4g} ({best.n} seed(s))"]
     if zero.b_gain_mean <= 0:
         lines.append(f"λ = 0 did not learn B (gain {zero.b_gain_mean:.3f}): the fine-tuning itself is not working")
     if zero.a_drop_mean <= zero.a_drop_std:
         return Verdict(WARN, f"no forgetting at λ = 0 (A drop {_pm(zero.a_drop_mean, zero.a_drop_std)}): "
                              "the sweep says nothing about whether HARI's KL term limits forgetting", lines)
-    reduction = zero.a_drop_mean - best.a_drop_mean
     spread = zero.a_drop_std + best.a_drop_std
-    cost = zero.b_gain_mean - best.b_gain_mean
+    b_spread = zero.b_gain_std + best.b_gain_std
     cost_text = (f"B gain {best.b_gain_mean:.3f} vs {zero.b_gain_mean:.3f} at λ = 0 "
-                 + (f"(costs {cost:.3f} on B)" if cost > 0 else f"(no cost on B: {-cost:.3f} better)"))
-    if reduction > spread:
+                 + (f"(costs {cost(best):.3f} on B)" if cost(best) > 0 else f"(no cost on B: {-cost(best):.3f} better)"))
+    if helping:
         single = [f"{g.lambda_kl:g}" for g in (zero, best) if g.n < 2]
         status = OK
         if single:
@@ -380,11 +398,17 @@ def sweep_verdict(results: list[PointResult]) -> Verdict:
             lines.append(f"only one seed at λ = {' and '.join(single)}: the seed spread is unknown, "
                          "so the difference is not confirmed")
         return Verdict(status, f"HARI helps: λ = {best.lambda_kl:g} cuts the A drop from {zero.a_drop_mean:.3f} "
-                               f"to {best.a_drop_mean:.3f} (by {reduction:.3f}, more than the seed spread "
+                               f"to {best.a_drop_mean:.3f} (by {reduction(best):.3f}, more than the seed spread "
                                f"{spread:.3f}); {cost_text}", lines)
     lines.append(cost_text)
+    if clear_cut(best):
+        return Verdict(WARN, f"a trade-off, not a free gain: λ = {best.lambda_kl:g} cuts the A drop from "
+                             f"{zero.a_drop_mean:.3f} to {best.a_drop_mean:.3f} but learns less B "
+                             f"({best.b_gain_mean:.3f} vs {zero.b_gain_mean:.3f}, a cost of {cost(best):.3f}, more "
+                             f"than the seed spread {b_spread:.3f}); no λ > 0 forgets less at λ = 0's learning",
+                       lines)
     return Verdict(WARN, f"the KL term does NOT help: the best λ = {best.lambda_kl:g} changes the A drop by "
-                         f"{-reduction:+.3f} ({zero.a_drop_mean:.3f} → {best.a_drop_mean:.3f}), not more than "
+                         f"{-reduction(best):+.3f} ({zero.a_drop_mean:.3f} → {best.a_drop_mean:.3f}), not more than "
                          f"the seed spread {spread:.3f}", lines)
 
 

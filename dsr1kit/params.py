@@ -214,9 +214,10 @@ class InferenceParams(NotebookParams):
     merge_if_ignored: bool = Field(True, description="Parity not 'applied' -> evaluate a merged copy instead")
     parity_prompts: int = Field(3, ge=1, description="Prompts compared token by token, PEFT vs vLLM")
     parity_tol: float = Field(0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)")
-    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name)",
+    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name); several, "
+                              "comma-separated, are scored together and kept apart by category",
                               json_schema_extra=section("evaluation"))
-    eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples; 0: all")
+    eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples of each set; 0: all")
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_new_tokens: int = Field(48, ge=1, description="Generated tokens per answer")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0: greedy")

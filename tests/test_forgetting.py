@@ -224,6 +224,17 @@ def test_verdict_does_not_help():
     assert {"-0.030", "0.250", "0.220", "0.156"} <= _numbers(v.headline)
 
 
+def test_verdict_less_forgetting_bought_with_less_learning_is_a_trade_off():
+    results = [_point(0.0, 0, 0.80, 0.30), _point(0.0, 1, 0.84, 0.32),
+               _point(2.0, 0, 0.60, 0.10), _point(2.0, 1, 0.62, 0.12)]
+    v = sweep_verdict(results)
+    assert v.status == WARN
+    assert v.headline.startswith("a trade-off, not a free gain: λ = 2 cuts the A drop from 0.820 to 0.610")
+    # B gain 0.110 vs 0.310: cost 0.200 > spread 0.014 + 0.014
+    assert {"0.110", "0.310", "0.200", "0.028"} <= _numbers(v.headline)
+    assert any(line.startswith("least forgetting λ > 0 = 2") for line in v.lines)
+
+
 def test_verdict_no_forgetting_at_lambda_zero():
     results = [_point(0.0, 0, 0.02, 0.50), _point(0.0, 1, -0.02, 0.40), _point(0.1, 0, 0.0, 0.40)]
     v = sweep_verdict(results)

@@ -87,3 +87,26 @@ def test_inference_verdict_fails_an_adapter_that_changes_nothing():
     assert none.status == "fail" and "parity: no-effect" in none.lines
     with pytest.raises(vllm_inference.AdapterHasNoEffect):
         steps.finish(none)
+
+
+def test_inference_verdict_shows_each_sets_gain_and_cost():
+    def table(a, b):
+        return pd.DataFrame([{"category": c, "accuracy": x, "ci95_low": 0.0, "ci95_high": 1.0, "correct": 0,
+                              "scored_on": "20 of 20"} for c, x in (("all", (a + b) / 2), ("task A", a), ("task B", b))])
+    v = vllm_inference.verdict({"base": table(0.9, 0.05), "adapter": table(0.6, 0.8)})
+    assert "task A: base 90.0% → adapter 60.0% (-30.0 points, scored on 20 of 20)" in v.lines
+    assert "task B: base 5.0% → adapter 80.0% (+75.0 points, scored on 20 of 20)" in v.lines
+    assert vllm_inference.category_changes({"base": table(0.9, 0.05)}) == []
+
+
+def test_several_eval_sets_are_read_per_set_and_ids_must_not_clash(tmp_path):
+    from dsr1kit.infer import evaluate
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"id": f"a{i}", "question": "q", "answer": "x"}) + "\n" for i in range(5)))
+    b.write_text("".join(json.dumps({"id": f"b{i}", "question": "q", "answer": "y"}) + "\n" for i in range(3)))
+    rows = evaluate.load_rows(f"{a}, {b}", limit=2)
+    assert [r["id"] for r in rows] == ["a0", "a1", "b0", "b1"]  # the limit is per set
+    assert len(evaluate.load_rows(f"{a},{b}")) == 8
+    with pytest.raises(ValueError, match="'a0' is in both"):
+        evaluate.load_rows(f"{a},{a}")

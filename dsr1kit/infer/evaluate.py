@@ -57,7 +57,27 @@ class ContextFilter:
 
 
 def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
-    """Rows of a local JSONL file, or of a hub dataset's test split (``name`` or ``name@split``)."""
+    """Rows of one or more evaluation sets, comma-separated: each a local JSONL file or a hub dataset's
+    test split (``name`` or ``name@split``), at most `limit` rows from each (0: all).
+
+    Several sets make one evaluation whose per-category table keeps them apart (e.g. the new task and
+    the old one); ids must be unique across them, since answers are saved and resumed by id.
+    """
+    names = [part.strip() for part in dataset.split(",") if part.strip()]
+    if not names:
+        raise ValueError("eval_dataset is empty: give a JSONL file or hub dataset, or several comma-separated")
+    rows, origin = [], {}
+    for name in names:
+        for row in _load_one(name, limit):
+            if row["id"] in origin:
+                raise ValueError(f"eval_dataset: id {row['id']!r} is in both {origin[row['id']]} and {name}; "
+                                 "ids must be unique across the sets (answers are saved by id)")
+            origin[row["id"]] = name
+            rows.append(row)
+    return rows
+
+
+def _load_one(dataset: str, limit: int) -> list[dict[str, Any]]:
     path = resolve(dataset)
     if path.is_file():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -201,11 +201,26 @@ def verdict(tables, parity=None) -> Verdict:
     lines = [f"{label}: {r['accuracy']:.1%}, 95% CI [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}], "
              f"{r['correct']} correct, scored on {r['scored_on']}"
              for label, r in ((label, t.iloc[0]) for label, t in tables.items())]
+    lines += category_changes(tables)
     status = OK
     if parity is not None:
         lines += parity.lines()
         status = FAIL if parity.verdict == "no-effect" else (OK if parity.status == "pass" else WARN)
     return Verdict(status, headline(tables) if tables else "nothing was scored", lines, AdapterHasNoEffect)
+
+
+def category_changes(tables) -> list[str]:
+    """Per category, base → adapter accuracy: with several evaluation sets (the new task and the old one),
+    what the adapter gained on one and cost on the other, in one line each."""
+    if "base" not in tables or "adapter" not in tables:
+        return []
+    base, adapted = tables["base"].set_index("category"), tables["adapter"].set_index("category")
+    cats = [c for c in base.index if c != "all" and c in adapted.index]
+    if len(cats) < 2:
+        return []
+    return [f"{cat}: base {base.loc[cat, 'accuracy']:.1%} → adapter {adapted.loc[cat, 'accuracy']:.1%} "
+            f"({100 * (adapted.loc[cat, 'accuracy'] - base.loc[cat, 'accuracy']):+.1f} points, "
+            f"scored on {base.loc[cat, 'scored_on']})" for cat in cats]
 
 
 def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
