@@ -31,14 +31,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Every notebook on the embedded tiny model, in pipeline order."""
+    """Every notebook on the embedded tiny model, in pipeline order: the tiny set, plus params/demo's
+    layer where a notebook has one (HARI on task B, then base vs adapter scored on B and on A)."""
     from .report import NotebookFailed, run_notebook
 
     failed = 0
     done = []
     for name in DEMO_ORDER:
         nb = Path(args.notebooks_dir) / f"{name}.ipynb"
-        prm = PROJECT_ROOT / "params" / "tiny" / f"{name}.yaml"
+        prm = [PROJECT_ROOT / "params" / "tiny" / f"{name}.yaml"]
+        overlay = PROJECT_ROOT / "params" / "demo" / f"{name}.yaml"  # the demo's task: train on B, score B and A
+        if overlay.is_file():
+            prm.append(overlay)
         if not nb.is_file():  # a broken checkout: say so instead of running a shorter demo
             failed += 1
             print(f"error: {nb} is missing (restore it: git checkout -- {nb})", file=sys.stderr)
@@ -46,7 +50,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             continue
         print(f"== {name}", flush=True)
         try:
-            result = run_notebook(nb, [prm], runs_root=args.runs_dir, log_output=not args.quiet)
+            result = run_notebook(nb, prm, runs_root=args.runs_dir, log_output=not args.quiet)
             done.append((name, "ok", result.run_dir / "report.html"))
         except NotebookFailed as err:
             failed += 1
@@ -86,9 +90,9 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from .tiny import PRETRAIN_STEPS, build
+    from .tiny import build
 
-    print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed, pretrain_steps=args.pretrain_steps if args.pretrain_steps is not None else PRETRAIN_STEPS)}")
+    print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed, pretrain_steps=args.pretrain_steps)}")
     return 0
 
 

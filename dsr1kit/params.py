@@ -351,8 +351,9 @@ class SweepParams(NotebookParams):
     lambdas: list[float] = Field([0.0, 0.05, 0.2, 0.9, 2.0], description="KL weights swept (0: plain SFT)",
                                  json_schema_extra=section("sweep"))
     seeds: list[int] = Field([0, 1, 2], description="Seeds per KL weight (data order and LoRA init)")
-    hari: dict[str, Any] = Field({"epochs": 2}, description="Notebook 20 parameters for every run (not those "
-                                 "the sweep sets: run_dir model dataset lambda_kl seed system_prompt max_len)")
+    hari: dict[str, Any] = Field({"epochs": 3, "lora_last_k_layers": 3, "lr": 0.02},
+                                 description="Notebook 20 parameters for every run (not those the sweep sets: "
+                                 "run_dir model dataset lambda_kl seed system_prompt max_len)")
     kl_span: Literal["answer", "all"] = Field("answer", description="Tokens KL(base||adapted) is measured on")
 
     @field_validator("lambdas", "seeds")

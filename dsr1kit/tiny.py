@@ -23,10 +23,16 @@ in two flavours: ``tiny`` with a chat template of its own, and ``tiny-r1``
 with DeepSeek-R1's tokenizer setup (BOS/EOS/pad spellings, ``<｜User｜>`` /
 ``<｜Assistant｜>``, ``<think>``/``</think>`` as plain added tokens, R1's chat
 template verbatim), so R1's rendering, served prompt and answers run here.
-The weights are briefly pre-trained here (seconds) on the chat format and on
-the free-form task kinds only, so the base model speaks the format, answers
-some questions, and leaves the multiple-choice kinds for HARI to learn: loss
-curves, accuracies and KL values in the demo then mean something.
+The weights are pre-trained here on the chat format and on the free-form task
+kinds only, so the base model speaks the format, answers some questions, and
+leaves the multiple-choice kinds for HARI to learn: loss curves, accuracies
+and KL values in the demo then mean something. The ``tiny`` flavour is also
+taught the position questions of the forgetting experiment (a few CPU
+minutes, once): task A ("Which word comes first in: …?") and two other
+phrasings, "starts this list" and "ends this list", but never task B ("comes
+last"). It then does A well and B poorly, B is learnable (the skill is
+there under other words), and learning B can cost A (same question shape):
+the demo and notebook 40 measure exactly that.
 Nothing is downloaded. ``resolve_model("tiny")`` builds it once into a cache.
 """
 
@@ -44,12 +50,11 @@ from dataclasses import dataclass
 from .data import templates
 from .data.chat import to_messages
 
-VERSION = 5
-PRETRAIN_STEPS = 200
+VERSION = 6
 TINY_NAME = "tiny"
 TINY_R1_NAME = "tiny-r1"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl")
+CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl", "task_b_train.jsonl")
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -84,7 +89,10 @@ MODEL_CONFIG = dict(
     n_shared_experts=1,
     n_group=2,
     topk_group=1,
-    routed_scaling_factor=2.5,
+    # R1 scales its 8-of-256 routed experts' output by 2.5; at 2-of-8 experts that factor kept the
+    # pre-training from ever learning to attend (the answer stayed at chance on a one-hop copy task
+    # while the same model with dense MLPs, or this factor at 1.0, learned it in ~150 steps).
+    routed_scaling_factor=1.0,
     norm_topk_prob=True,
     q_lora_rank=64,
     kv_lora_rank=512,
@@ -102,7 +110,7 @@ MODEL_CONFIG = dict(
 
 @dataclass(frozen=True)
 class Flavour:
-    """Token spellings and chat template of a tiny tokenizer."""
+    """Token spellings, chat template and pre-training of a tiny tokenizer and model."""
 
     name: str
     bos: str
@@ -110,13 +118,21 @@ class Flavour:
     pad: str
     roles: tuple[str, ...]
     template: str
+    pretrain_steps: int = 200
+    pretrain_lr: float = 3e-3
+    position_tasks: tuple[str, ...] = ()  # synthetic.POSITION_TASKS taught in pre-training
 
 
+# tiny: the forgetting experiment's base (A and the S/E phrasings, ~3-4 CPU minutes); tiny-r1 tests R1's
+# formats only and keeps the short pre-training.
 FLAVOURS = {
-    TINY_NAME: Flavour(TINY_NAME, BOS, EOS, PAD, tuple(ROLE_TOKENS), CHAT_TEMPLATE),
+    TINY_NAME: Flavour(TINY_NAME, BOS, EOS, PAD, tuple(ROLE_TOKENS), CHAT_TEMPLATE,
+                       pretrain_steps=1000, pretrain_lr=1.5e-3, position_tasks=("A", "S", "E")),
     TINY_R1_NAME: Flavour(TINY_R1_NAME, templates.R1_BOS, templates.R1_EOS, templates.R1_PAD,
                           tuple(templates.R1_ROLE_TOKENS), templates.R1_CHAT_TEMPLATE),
 }
+POSITION_ROWS = 1500  # pre-training rows per position task
+HELD_OUT = ("task_a_eval.jsonl", "task_b_eval.jsonl")  # their word lists never appear in pre-training
 
 # Not read by transformers, required by vLLM's DeepSeek-V3 loader.
 VLLM_CONFIG_EXTRAS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -127,9 +143,9 @@ def cache_root() -> Path:
 
 
 def _fingerprint(flavour: Flavour = FLAVOURS[TINY_NAME]) -> str:
-    extra = "" if flavour.name == TINY_NAME else json.dumps(flavour.__dict__, sort_keys=True)  # tiny's cache key as before
-    h = hashlib.sha256(f"v{VERSION}-{PRETRAIN_STEPS}{json.dumps(MODEL_CONFIG, sort_keys=True)}{CHAT_TEMPLATE}{extra}".encode())
-    for name in CORPUS_FILES:
+    h = hashlib.sha256(f"v{VERSION}{json.dumps(MODEL_CONFIG, sort_keys=True)}"
+                       f"{json.dumps(flavour.__dict__, sort_keys=True)}{POSITION_ROWS}".encode())
+    for name in (*CORPUS_FILES, *HELD_OUT):
         h.update((DATA_DIR / name).read_bytes())
     return h.hexdigest()[:12]
 
@@ -178,51 +194,76 @@ def build_tokenizer(out_dir: str | Path, flavour: Flavour = FLAVOURS[TINY_NAME])
     return fast
 
 
-def pretrain_texts() -> tuple[list[list[dict]], list[str]]:
-    """Chats of the free-form task kinds (a fresh seed, not the shipped rows) plus retain text."""
-    from .data.synthetic import MAKERS, make_retain, make_rows
+def pretrain_texts(flavour: Flavour = FLAVOURS[TINY_NAME]) -> tuple[list[list[dict]], list[str]]:
+    """Chats of the free-form task kinds (a fresh seed, not the shipped rows), the flavour's position
+    questions (lists of the held-out sets left out), plus retain text."""
+    from .data.synthetic import MAKERS, make_position_rows, make_retain, make_rows
 
     free_form = {i for i, maker in enumerate(MAKERS) if maker.__name__ in ("_addition", "_subtraction", "_reverse")}
     rows = [r for i, r in enumerate(make_rows(720, seed=4, prefix="pre")) if i % len(MAKERS) in free_form]
+    held_out = {_word_list(json.loads(line)["question"])
+                for name in HELD_OUT for line in (DATA_DIR / name).read_text().splitlines() if line.strip()}
+    for k, task in enumerate(flavour.position_tasks):
+        rows += [r for r in make_position_rows(task, POSITION_ROWS, seed=100 + k)
+                 if _word_list(r["question"]) not in held_out]
     chats = [to_messages(r) for r in rows]
     return chats, [r["text"] for r in make_retain(120, seed=5)]
 
 
-def pretrain(model, tokenizer, steps: int = PRETRAIN_STEPS, seed: int = 0, batch: int = 12) -> list[float]:
-    """Full-parameter LM training on pretrain_texts(); deterministic for a given seed."""
+def _word_list(question: str) -> str:
+    return question.split("\n", 1)[-1]
+
+
+def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
+             flavour: Flavour = FLAVOURS[TINY_NAME]) -> list[float]:
+    """Full-parameter LM training on pretrain_texts(flavour); deterministic for a given seed."""
     import torch
+    from tqdm.auto import tqdm
 
     from .data.render import render_chat
 
-    chats, texts = pretrain_texts()
-    seqs = [render_chat(tokenizer, c).ids for c in chats]  # the served prompt + the turn, as training renders it
-    seqs += [[tokenizer.bos_token_id] + tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
-             for t in texts]
+    chats, texts = pretrain_texts(flavour)
+    # Chats: the served prompt + the turn, as training renders it, learned on the turn only (as SFT does):
+    # a loss on the prompt's random word lists would drown the one token that says which word to copy.
+    seqs, starts = [], []
+    for chat in chats:
+        rendered = render_chat(tokenizer, chat)
+        seqs.append(rendered.ids)
+        starts.append(len(rendered.prompt_ids))
+    for t in texts:
+        seqs.append([tokenizer.bos_token_id] + tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id])
+        starts.append(0)
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=flavour.pretrain_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=flavour.pretrain_lr, total_steps=steps, pct_start=0.1)
     model.train()
     losses = []
-    for _ in range(steps):
+    bar = tqdm(range(steps), desc=f"pre-training the {flavour.name} model (once, cached)", unit="step",
+               disable=steps < 500, mininterval=5)
+    for _ in bar:
         pick = torch.randint(len(seqs), (batch,), generator=gen).tolist()
         width = max(len(seqs[i]) for i in pick)
         ids = torch.full((batch, width), tokenizer.pad_token_id)
+        mask = torch.zeros((batch, width), dtype=torch.long)
         labels = torch.full((batch, width), -100)
         for row, i in enumerate(pick):
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
-            labels[row, : len(seqs[i])] = torch.tensor(seqs[i])
-        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+            mask[row, : len(seqs[i])] = 1
+            labels[row, starts[i]: len(seqs[i])] = torch.tensor(seqs[i][starts[i]:])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
 
 
-def build_model(out_dir: str | Path, tokenizer, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS):
+def build_model(out_dir: str | Path, tokenizer, seed: int = 0, flavour: Flavour = FLAVOURS[TINY_NAME],
+                pretrain_steps: int | None = None):
     """A seeded DeepSeek-V3-architecture model, briefly pre-trained, saved in out_dir (bf16)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -241,7 +282,8 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0, pretrain_steps: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bitwise-reproducible on any core count
     try:
-        losses = pretrain(model, tokenizer, steps=pretrain_steps, seed=seed)
+        steps = flavour.pretrain_steps if pretrain_steps is None else pretrain_steps
+        losses = pretrain(model, tokenizer, steps=steps, seed=seed, flavour=flavour)
     finally:
         torch.set_num_threads(threads)
     model = model.to(torch.bfloat16)
@@ -250,7 +292,7 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0, pretrain_steps: i
     return model, losses
 
 
-def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS,
+def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int | None = None,
           flavour: Flavour = FLAVOURS[TINY_NAME]) -> Path:
     """Build model + tokenizer into out_dir (atomically: temp dir, then rename)."""
     out = Path(out_dir)
@@ -260,7 +302,7 @@ def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STE
         tokenizer = build_tokenizer(tmp, flavour)
         if len(tokenizer) > VOCAB_SIZE:
             raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > vocab {VOCAB_SIZE}")
-        _, losses = build_model(tmp, tokenizer, seed=seed, pretrain_steps=pretrain_steps)
+        _, losses = build_model(tmp, tokenizer, seed=seed, flavour=flavour, pretrain_steps=pretrain_steps)
         (tmp / "TINY_MODEL.json").write_text(json.dumps({
             "version": VERSION, "flavour": flavour.name, "seed": seed, "pretrain_steps": len(losses),
             "pretrain_loss_first": round(losses[0], 4), "pretrain_loss_last": round(losses[-1], 4)}))

@@ -40,8 +40,29 @@ def test_build_is_deterministic(tmp_path):
 def test_pretraining_taught_the_format(tiny_dir):
     """The base model's LM loss fell during the build (it speaks the chat format before HARI)."""
     meta = json.loads((tiny_dir / "TINY_MODEL.json").read_text())
-    assert meta["pretrain_steps"] == tiny.PRETRAIN_STEPS
+    assert meta["pretrain_steps"] == tiny.FLAVOURS[tiny.TINY_NAME].pretrain_steps
     assert meta["pretrain_loss_last"] < 0.5 * meta["pretrain_loss_first"]
+
+
+def test_base_does_task_a_and_not_task_b(tiny_dir, tok, model):
+    """The forgetting experiment's premise, on its held-out sets: the base knows A (and the "ends the list"
+    phrasing of B's skill) but not B's own phrasing, and pre-training never saw those lists."""
+    from dsr1kit import forgetting
+    from dsr1kit.data.synthetic import make_position_rows
+
+    def acc(rows):
+        return forgetting.accuracy(forgetting.answer_matches(model, tok, rows, "You are DeepSeek-R1."))
+
+    root = Path(__file__).resolve().parent.parent / "data"
+    rows = {name: [json.loads(line) for line in (root / f"task_{name}_eval.jsonl").read_text().splitlines()]
+            for name in "ab"}
+    a, b = acc(rows["a"][:100]), acc(rows["b"][:100])
+    assert a >= 0.6 and b <= 0.4 and a - b >= 0.5, (a, b)  # built: A 0.99, B 0.28 (it often answers the first word)
+    assert acc(make_position_rows("E", 100, seed=7)) >= 0.6
+    chats, _ = tiny.pretrain_texts()
+    seen = {m["content"] for chat in chats for m in chat if m["role"] == "user"}
+    assert not seen & {r["question"].replace("comes last in this list", "ends this list") for r in rows["b"]}
+    assert not seen & {r["question"] for r in rows["a"]}
 
 
 def test_cli_builds_into_a_dir(tmp_path, cli):

@@ -13,7 +13,10 @@
   forgetting experiment (notebook 40). Task A names the *first* word of a
   list, task B the *last*: the same question shape, vocabulary and answer
   format, so learning B can overwrite A. Lists are drawn at random, so the
-  evaluation rows are new lists, not repeats of training rows.
+  evaluation rows are new lists, not repeats of training rows. The tiny
+  model is pre-trained on A and on two other phrasings ("starts the list",
+  "ends the list"), never on B: it does A and cannot yet do B, though it can
+  find a last word.
 """
 
 from __future__ import annotations
@@ -93,18 +96,24 @@ def _larger(rng: random.Random) -> dict:
 
 MAKERS = (_addition, _subtraction, _reverse, _capital, _fruit, _larger)
 LIST_WORDS = sorted(set(WORDS + FRUITS + OBJECTS))
-POSITION_TASKS = {"A": "first", "B": "last"}
+# Position questions: (question, index of the answer in the list). A and B are the forgetting experiment's
+# tasks; S and E ask the same two things in other words, and only the tiny model's pre-training sees them,
+# so the base model knows how to find the last word (E) but not that "comes last" (B) asks for it.
+# The list is one word per line, so each word is spelled with the same tokens as in the answer block
+# (a word after a space is another token): the answer is a copy, and the question says which word to copy.
+POSITION_TASKS = {"A": ("Which word comes first in this list?\n{}", 0), "B": ("Which word comes last in this list?\n{}", -1),
+                  "S": ("Which word starts this list?\n{}", 0), "E": ("Which word ends this list?\n{}", -1)}
 
 
 def make_position_rows(task: str, n: int, seed: int) -> list[dict]:
-    """Task A ("Which word comes first in: …?") or B ("… last …"), 3 to 5 distinct words, answer block only."""
+    """n rows of a position task (see POSITION_TASKS): 3 to 5 distinct words, answer block only."""
     rng = random.Random(seed)
-    which = POSITION_TASKS[task]
+    question, index = POSITION_TASKS[task]
     rows = []
     for i in range(n):
         words = rng.sample(LIST_WORDS, rng.randint(3, 5))
-        rows.append({"id": f"task{task.lower()}-{seed}-{i:04d}", "question": f"Which word comes {which} in: "
-                     f"{' '.join(words)}?", "answer": words[0] if task == "A" else words[-1], "category": f"task {task}"})
+        rows.append({"id": f"task{task.lower()}-{seed}-{i:04d}", "question": question.format("\n".join(words)),
+                     "answer": words[index], "category": f"task {task}"})
     return rows
 
 
