@@ -421,11 +421,11 @@ def frontier_figure(results: list[PointResult]):
 
     groups = by_lambda(results)
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    for g in groups:
-        ax.errorbar(g.a_drop_mean, g.b_gain_mean, xerr=g.a_drop_std, yerr=g.b_gain_std, fmt="o", capsize=4,
-                    color="tab:grey" if g.lambda_kl == 0 else "tab:blue")
-        ax.annotate(f"λ={g.lambda_kl:g} (n={g.n})", (g.a_drop_mean, g.b_gain_mean), textcoords="offset points",
-                    xytext=(6, 6), fontsize=8)
+    cmap = plt.get_cmap("viridis", max(len(groups), 2))  # the same colour per λ as kl_figure
+    for i, g in enumerate(groups):  # a legend, not labels beside the points: nearby λs would overprint
+        ax.errorbar(g.a_drop_mean, g.b_gain_mean, xerr=g.a_drop_std, yerr=g.b_gain_std, fmt="s" if g.lambda_kl == 0
+                    else "o", capsize=4, color=cmap(i), label=f"λ={g.lambda_kl:g} (n={g.n})")
+    ax.legend(fontsize=8, loc="best")
     ax.axhline(0, color="black", lw=0.6, ls="--")
     ax.axvline(0, color="black", lw=0.6, ls="--")
     ax.set_xlabel("forgetting on A: base acc − adapted acc")

@@ -258,7 +258,7 @@ def test_figures():
     results = [_point(lam, s, 0.3 - lam + 0.01 * s, 0.4, kl_a=0.5 - lam) for lam in (0.0, 0.1, 0.2) for s in (0, 1)]
     fig = frontier_figure(results)
     assert isinstance(fig, Figure)
-    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["λ=0 (n=2)", "λ=0.1 (n=2)", "λ=0.2 (n=2)"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["λ=0 (n=2)", "λ=0.1 (n=2)", "λ=0.2 (n=2)"]
     fig2 = kl_figure(results)
     labels = [t.get_text() for t in fig2.axes[0].get_legend().get_texts()]
     fit = fit_line([r.kl_a for r in results], [r.a_drop for r in results])

@@ -21,6 +21,10 @@ from dsr1kit.train import prefix
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"sample_limit": 96, "max_steps": 8, "save_every": 4, "log_every": 2}
 TOLERANCE = 1e-6  # max relative difference, per adapter tensor
+# Two ranks add an all-reduce whose fp32 sums round differently again; Adam turns those last-bit
+# differences into relative ones on small weights (measured 1.6e-5 on the tiny model; cached states
+# off by a factor 1 + 1e-3 give 2.4e-2).
+TOLERANCE_TWO_RANKS = 1e-4
 
 
 def _params(run_dir: Path, **changes) -> P.HariParams:
@@ -102,7 +106,7 @@ def test_two_gloo_ranks_from_the_cache_give_the_uncached_two_rank_adapter(tmp_pa
     _two_ranks(tmp_path / "plain")
     _two_ranks(tmp_path / "cached", "-p", "prefix_cache", str(cache), "-p", "prefix_shard_mib", "1.0")
     diff = _max_relative_difference(_adapter(tmp_path / "plain"), _adapter(tmp_path / "cached"))
-    assert diff <= TOLERANCE, diff
+    assert diff <= TOLERANCE_TWO_RANKS, diff
     info = json.loads((tmp_path / "cached" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["ranks_agree"]
     # each rank wrote its own share of the shards (shard i to rank i % 2), then both read all of them
