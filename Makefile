@@ -1,5 +1,5 @@
 # dsr1kit: two commands do all the set-up on a fresh Debian machine with Python 3.11.
-#   make demo   every notebook on the embedded tiny model (CPU), reports under runs/
+#   make demo   notebooks 00-30 on the embedded tiny model (CPU; HARI on task B, scored on B and A), reports under runs/
 #   make test   the test suite
 # Both create .venv (pip, pinned CPU lock in requirements/cpu.txt) and install the
 # Debian packages the tests need when missing; re-running them skips finished steps.

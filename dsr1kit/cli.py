@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-q", "--quiet", action="store_true", help="do not stream cell output")
     run.set_defaults(func=_cmd_run)
 
-    demo = sub.add_parser("demo", help="run every notebook on the embedded tiny model")
+    demo = sub.add_parser("demo", help="run notebooks 00-30 on the embedded tiny model (HARI on task B, "
+                                       "scored on B and A)")
     demo.add_argument("--runs-dir", default="runs")
     demo.add_argument("-q", "--quiet", action="store_true")
     demo.add_argument("--notebooks-dir", default=str(PROJECT_ROOT / "notebooks"), help="where the notebooks are")
