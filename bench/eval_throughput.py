@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    from dsr1kit.tiny import resolve_model
+    from dsr1kit.embedded.tiny import resolve_model
 
     model_path = resolve_model(args.model)
     ids = prompts_ids(model_path, args.repeat)

@@ -59,7 +59,7 @@ MODES = ("hf_bf16", "hf_nf4_linears", "stream_bf16_to_bf16", "stream_bf16_to_nf4
          "stream_fp8_to_nf4_incl_lm_head")
 GIB = 2**30
 
-from dsr1kit.r1_format import R1_QUANTIZATION_CONFIG, is_fp8_weight  # noqa: E402 (after the sys.path line)
+from dsr1kit.embedded.r1_format import R1_QUANTIZATION_CONFIG, is_fp8_weight  # noqa: E402 (after the sys.path line)
 
 
 # -- small helpers ----------------------------------------------------------------------------

@@ -7,17 +7,20 @@ import sys
 from pathlib import Path
 
 from .params import ParamsError, parse_override
-from .paths import PROJECT_ROOT
+from .run.paths import PROJECT_ROOT
 
 DEMO_ORDER = ("00_cluster_check", "20_hari_training", "10_vllm_inference", "30_adapter_inspection")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .report import NotebookFailed, run_notebook
+    from . import params
+    from .run.report import NotebookFailed, find_notebook, run_notebook
 
     overrides = {k: parse_override(v) for k, v in args.param}
     try:
-        result = run_notebook(args.notebook, args.params_file, overrides, runs_root=args.runs_dir,
+        notebook = find_notebook(args.notebook)
+        p = params.load(notebook, args.params_file, overrides)
+        result = run_notebook(notebook, p, args.params_file, overrides, runs_root=args.runs_dir,
                               run_dir=args.run_dir, log_output=not args.quiet)
     except (ParamsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -33,7 +36,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Every notebook on the embedded tiny model, in pipeline order: the tiny set, plus params/demo's
     layer where a notebook has one (HARI on task B, then base vs adapter scored on B and on A)."""
-    from .report import NotebookFailed, run_notebook
+    from . import params
+    from .run.report import NotebookFailed, run_notebook
 
     failed = 0
     done = []
@@ -50,7 +54,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             continue
         print(f"== {name}", flush=True)
         try:
-            result = run_notebook(nb, prm, runs_root=args.runs_dir, log_output=not args.quiet)
+            result = run_notebook(nb, params.load(nb, prm), prm, runs_root=args.runs_dir,
+                                  log_output=not args.quiet)
             done.append((name, "ok", result.run_dir / "report.html"))
         except NotebookFailed as err:
             failed += 1
@@ -83,14 +88,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from .report import format_runs, list_runs
+    from .run.report import format_runs, list_runs
 
     print(format_runs(list_runs(args.runs_dir)))
     return 0
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from .tiny import build
+    from .embedded.tiny import build
 
     print(f"tiny model and tokenizer in {build(args.dir, seed=args.seed, pretrain_steps=args.pretrain_steps)}")
     return 0
@@ -106,7 +111,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     import urllib.request
 
     from .cluster.rendezvous import free_port
-    from .report import ensure_kernelspec
+    from .run.report import ensure_kernelspec
 
     kernel = ensure_kernelspec()  # the kernel runs this venv's Python, whatever Jupyter finds first
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)

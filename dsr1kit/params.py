@@ -146,7 +146,7 @@ def _type_name(annotation: Any) -> str:
 # ---------------------------------------------------------------------------
 # One model per notebook. Defaults are the tiny CPU set (the demo and tests); a
 # parameter file holds only what differs, and each notebook's parameters cell
-# is rendered from these fields (dsr1kit.parameters_cell), so a default and its
+# is rendered from these fields (dsr1kit.run.parameters_cell), so a default and its
 # help live here alone.
 
 

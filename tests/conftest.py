@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _offline_hub() -> None:
     """Tests never download: the hub is offline and its cache is the R1 rehearsal's (set before any HF import)."""
-    from dsr1kit.r1_format import offline_env
+    from dsr1kit.embedded.r1_format import offline_env
 
     os.environ.update(offline_env())
 
@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    from dsr1kit.tiny import resolve_model
+    from dsr1kit.embedded.tiny import resolve_model
 
     return Path(resolve_model("tiny"))
 

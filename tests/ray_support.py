@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsr1kit.paths import PROJECT_ROOT
+from dsr1kit.run.paths import PROJECT_ROOT
 
 HELPER = PROJECT_ROOT / "slurm" / "ray_cluster.sh"
 

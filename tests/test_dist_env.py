@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsr1kit.cluster.rendezvous import process_ranks
-from dsr1kit.report import process_rank
+from dsr1kit.run.report import process_rank
 from dsr1kit.train.dist import from_env
 
 SRUN = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",

@@ -1,4 +1,4 @@
-"""dsr1kit.forgetting: exact-match accuracy equals greedy decoding, KL to the base, the λ-sweep analysis."""
+"""dsr1kit.measure.forgetting: exact-match accuracy equals greedy decoding, KL to the base, the λ-sweep analysis."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dsr1kit.data.chat import to_messages
 from dsr1kit.data.plan import load_rows
 from dsr1kit.data.render import render_chat
-from dsr1kit.forgetting import (PointResult, accuracy, answer_matches, by_lambda, evaluate_point, fit_line,
+from dsr1kit.measure.forgetting import (PointResult, accuracy, answer_matches, by_lambda, evaluate_point, fit_line,
                                 frontier_figure, kl_figure, kl_to_base, sweep_verdict)
 from dsr1kit.steps import FAIL, OK, WARN
 

@@ -82,7 +82,7 @@ def test_one_point_per_array_task_then_a_report_that_trains_nothing(slurm, tmp_p
     assert _canonical(summary["points"]) == _canonical(results)
     assert "Verdict" in (run / "report.html").read_text()
     # the report's numbers are computed from the points' own results: per-λ statistics, the fit, the verdict
-    from dsr1kit import forgetting
+    from dsr1kit.measure import forgetting
 
     measured = [forgetting.PointResult.from_dict(r) for r in results]
     assert _canonical(summary["by_lambda"]) == _canonical([s.to_dict() for s in forgetting.by_lambda(measured)])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dsr1kit import params, steps
 from dsr1kit.steps import adapter_inspection
 from dsr1kit.inspection.adapter import AdapterError, inspect_adapter, read_adapter
-from dsr1kit.inspection.compare import compare_on, encode_probe
+from dsr1kit.measure.compare import compare_on, encode_probe
 from dsr1kit.inspection.merge import merge_into_copy, verify_merge
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsr1kit import parameters_cell
+from dsr1kit.run import parameters_cell
 from dsr1kit import params as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def test_notebook_parameters_cell_is_the_rendering_of_its_model(notebook):
     """The committed cell is exactly what dsr1kit.params renders: a default lives in one file."""
     model = P.model_for(notebook)
     assert parameters_cell.committed_source(notebook) == parameters_cell.render(model), (
-        f"{notebook.name}: parameters cell differs from dsr1kit/params.py; run `python -m dsr1kit.parameters_cell`")
+        f"{notebook.name}: parameters cell differs from dsr1kit/params.py; run `python -m dsr1kit.run.parameters_cell`")
 
 
 @pytest.mark.parametrize("model", list(P.MODELS.values()), ids=lambda m: m.__name__)

@@ -127,7 +127,7 @@ def test_cluster_check_rows_fail_r1s_steps_on_this_node_with_the_fix():
     """Notebook 00's look-ahead: R1's params files planned against a CPU node fail, each with what to change."""
     from dsr1kit.cluster import checks
     from dsr1kit.plan import plans_for_files
-    from dsr1kit.r1_format import build
+    from dsr1kit.embedded.r1_format import build
 
     build()  # the rehearsal's R1-format checkpoint in the offline hub cache (cached): its config is planned
 

@@ -246,7 +246,7 @@ def test_tasks_write_disjoint_shares(tmp_path, tiny_setup):
 
 
 def test_a_relative_cache_folder_means_the_project_root_wherever_it_runs(monkeypatch, tmp_path):
-    from dsr1kit.paths import PROJECT_ROOT
+    from dsr1kit.run.paths import PROJECT_ROOT
     from dsr1kit.steps.hari_training import prefix_cache_folder
 
     monkeypatch.chdir(tmp_path)  # papermill runs notebooks in notebooks/, jobs in the project root

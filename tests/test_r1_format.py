@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsr1kit import r1_format
+from dsr1kit.embedded import r1_format
 from dsr1kit.data import templates
 from dsr1kit.inspection.adapter import read_adapter
 from dsr1kit.inspection.merge import merge_into_copy

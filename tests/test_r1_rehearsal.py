@@ -22,7 +22,7 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.data import templates
 from dsr1kit.infer.serve_form import fp8_blocks_servable
-from dsr1kit.r1_format import REPO_ID, build
+from dsr1kit.embedded.r1_format import REPO_ID, build
 from infer_support import assert_no_server_left
 
 R1 = Path("params/r1-671b-2x8h100")

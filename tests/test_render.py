@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dsr1kit.data import chat, labels, render, templates
-from dsr1kit.tiny import resolve_model
+from dsr1kit.embedded.tiny import resolve_model
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -123,12 +123,13 @@ def test_secret_printed_by_a_notebook_is_redacted(tmp_path, cli):
 
 
 def test_interactive_session_gets_its_own_run_dir(tmp_path):
-    from dsr1kit import params, report
+    from dsr1kit import params
+    from dsr1kit.run import report
 
     p = params.ClusterCheckParams()
-    run_dir = report.ensure_run_dir(p, runs_root=tmp_path)
-    assert run_dir.parent == tmp_path and "00_cluster_check" in run_dir.name
-    assert p.run_dir == str(run_dir.resolve())
+    run_dir = report.ensure_run_dir(p.run_dir, p.notebook, runs_root=tmp_path)
+    assert run_dir.parent == tmp_path.resolve() and "00_cluster_check" in run_dir.name
+    assert run_dir.is_dir() and run_dir.is_absolute()
 
 
 def test_other_ranks_report_under_ranks_folder(tmp_path, cli):

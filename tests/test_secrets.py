@@ -8,8 +8,9 @@ import os
 import re
 from pathlib import Path
 
-from dsr1kit import parameters_cell, params
-from dsr1kit.redact import redact_file, secret_values
+from dsr1kit import params
+from dsr1kit.run import parameters_cell
+from dsr1kit.run.redact import redact_file, secret_values
 
 from conftest import run_cli
 
@@ -73,7 +74,7 @@ def test_secret_names_and_values():
 
 
 def test_a_secret_across_a_chunk_boundary_is_masked(tmp_path, monkeypatch):
-    import dsr1kit.redact as r
+    import dsr1kit.run.redact as r
 
     monkeypatch.setattr(r, "CHUNK", 16)
     path = tmp_path / "f.bin"

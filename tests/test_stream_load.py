@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from dsr1kit.model.checkpoint_index import INDEX_FILE, read_index, read_weight_map
 from dsr1kit.model.fp8 import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from dsr1kit.model.stream_load import CheckpointError, device_for, load_streaming
-from dsr1kit.r1_format import (R1_QUANTIZATION_CONFIG, is_fp8_weight, read_tensors, shard_name, to_fp8,
+from dsr1kit.embedded.r1_format import (R1_QUANTIZATION_CONFIG, is_fp8_weight, read_tensors, shard_name, to_fp8,
                                write_checkpoint)
 
 ROOT = Path(__file__).resolve().parent.parent

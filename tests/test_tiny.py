@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsr1kit import tiny
+from dsr1kit.embedded import tiny
 
 MESSAGES = [
     {"role": "system", "content": "You are DeepSeek-R1."},
@@ -47,7 +47,7 @@ def test_pretraining_taught_the_format(tiny_dir):
 def test_base_does_task_a_and_not_task_b(tiny_dir, tok, model):
     """The forgetting experiment's premise, on its held-out sets: the base knows A (and the "ends the list"
     phrasing of B's skill) but not B's own phrasing, and pre-training never saw those lists."""
-    from dsr1kit import forgetting
+    from dsr1kit.measure import forgetting
     from dsr1kit.data.synthetic import make_position_rows
 
     def acc(rows):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..paths import resolve
+from ..run.paths import resolve
 
 DEFAULT_SPLITS = ("train", "validation", "test")
 LOCAL_EXTS = (".jsonl", ".json", ".parquet")

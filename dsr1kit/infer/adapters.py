@@ -213,7 +213,7 @@ def adapter_rank(adapter_dir: str | Path) -> int:
 
 def resolve_adapter(value: str, run_dir: str | Path) -> Path | None:
     """'' → None; 'latest' → newest HARI adapter beside this run (None if there is none); else the folder."""
-    from ..paths import resolve
+    from ..run.paths import resolve
 
     if not value:
         return None

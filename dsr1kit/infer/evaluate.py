@@ -20,7 +20,7 @@ from typing import Any
 
 from ..data.chat import options_of, to_messages
 from ..data.render import opens_reasoning, served_prompt
-from ..paths import resolve
+from ..run.paths import resolve
 from .answers import UNPARSEABLE, normalize, parse_answer
 from .client import Request
 

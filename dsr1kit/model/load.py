@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import tiny
+from ..embedded import tiny
 from . import placement, quirks
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

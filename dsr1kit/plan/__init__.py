@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .inventory import Inventory, inventory, resolve_config
-from .steps import GIB, H100_BYTES, Device, lora_parameters, reference_devices, serving_devices, training_devices
+from .devices import GIB, H100_BYTES, Device, lora_parameters, reference_devices, serving_devices, training_devices
 
 __all__ = ["Machine", "Plan", "PlanError", "hari_plan", "prefix_pass_plan", "inspect_plan", "inspection_plans", "reference_plan",
            "serve_plan", "plans_for_files",
@@ -387,7 +387,7 @@ def plans_for_files(specs: list[str], machine: Machine) -> list[tuple[str, Plan]
     from pathlib import Path
 
     from .. import params
-    from ..paths import resolve
+    from ..run.paths import resolve
 
     out = []
     for spec in specs:

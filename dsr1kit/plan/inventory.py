@@ -68,7 +68,7 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     """The model's config: local folder or hub cache, then a config shipped with the kit, then the hub."""
     from transformers import AutoConfig
 
-    from ..tiny import resolve_model
+    from ..embedded.tiny import resolve_model
 
     path = resolve_model(model)
     kwargs = dict(trust_remote_code=trust_remote_code, token=os.environ.get("HF_TOKEN"))

@@ -10,10 +10,10 @@ import torch
 
 from .. import params as P
 from ..data.plan import load_rows
-from ..paths import PROJECT_ROOT, resolve
+from ..run.paths import PROJECT_ROOT, resolve
 from ..inspection.adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter,  # noqa: F401
                                   latest_adapter, read_adapter, stats_frame)
-from ..inspection.compare import ProbeResult, compare_on, encode_probe, generations, training_slices
+from ..measure.compare import ProbeResult, compare_on, encode_probe, generations, training_slices
 from ..inspection.merge import merge_into_copy, verify_merge, verify_merged_weights
 from . import FAIL, OK, WARN, StepFailed, Verdict
 

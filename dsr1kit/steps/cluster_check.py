@@ -20,7 +20,7 @@ class ChecksFailed(StepFailed):
 
 def environment_table() -> dict[str, Any]:
     """Host, Python, key packages and accelerators as this notebook's node sees them."""
-    from ..environment import collect_environment
+    from ..run.environment import collect_environment
 
     env = collect_environment()
     return {"host": env["hostname"], "python": env["python"], "cpus": env["cpus"],
@@ -49,7 +49,7 @@ class Ranks:
 def gather_ranks(p, run_dir: Path) -> Ranks:
     """The per-rank rows written by srun, or those of `local_ranks` processes started here now."""
     from ..cluster import rank_check
-    from ..paths import resolve
+    from ..run.paths import resolve
 
     folder = resolve(p.rank_results_dir) if p.rank_results_dir else rank_check.run_local(p, run_dir / "ranks")
     return Ranks(checks.load_ranks(folder), Path(folder))

@@ -2,7 +2,7 @@
 
 A point is one HARI run (notebook 20's steps, with the sweep's λ and seed) in
 ``<run>/points/lambda<λ>-seed<s>/`` followed by its measurement
-(``dsr1kit.forgetting``), written to ``result.json`` there. A point with a
+(``dsr1kit.measure.forgetting``), written to ``result.json`` there. A point with a
 result is never redone, so a rerun or a Slurm job array
 (``slurm/forgetting_sweep.sh`` submits one point per task of a job array,
 then this notebook once to report) does only what is missing. The base
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import forgetting
-from ..forgetting import PointResult
+from ..measure import forgetting
+from ..measure.forgetting import PointResult
 from . import StepFailed, Verdict
 
 
@@ -84,7 +84,7 @@ def base_accuracy(p, run_dir: str | Path) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
     from ..model.load import load_tokenizer
-    from ..tiny import resolve_model
+    from ..embedded.tiny import resolve_model
 
     rows_a, rows_b = eval_rows(p)
     tokenizer = load_tokenizer(resolve_model(p.model))

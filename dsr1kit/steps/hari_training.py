@@ -91,7 +91,7 @@ def setup_dist() -> dist.DistInfo:
 def load_tokenizer(p):
     """The model's tokenizer, loaded once: the data is encoded with it and the model load reuses it."""
     from ..model.load import load_tokenizer as load
-    from ..tiny import resolve_model
+    from ..embedded.tiny import resolve_model
 
     return load(resolve_model(p.model), p.trust_remote_code)
 
@@ -126,9 +126,9 @@ def first_layer_of(p) -> int:
 
 def prefix_cache_folder(p, fp: dict[str, str]) -> Path:
     """auto: one folder per fingerprint under the kit's cache (DSR1KIT_CACHE), so runs on the same inputs share it."""
-    from ..tiny import cache_root
+    from ..embedded.tiny import cache_root
 
-    from ..paths import PROJECT_ROOT
+    from ..run.paths import PROJECT_ROOT
 
     if p.prefix_cache == "auto":
         return cache_root() / "prefix" / prefix.fingerprint_id(fp)

@@ -15,7 +15,7 @@ from . import FAIL, OK, WARN, StepFailed, Verdict
 def load_model_and_tokenizer(model: str):
     """(local model path or hub name, tokenizer); 'tiny' builds the embedded model once."""
     from ..model.load import load_tokenizer
-    from ..tiny import resolve_model
+    from ..embedded.tiny import resolve_model
 
     path = resolve_model(model)
     return path, load_tokenizer(path)

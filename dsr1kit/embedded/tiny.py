@@ -47,8 +47,8 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
-from .data import templates
-from .data.chat import to_messages
+from ..data import templates
+from ..data.chat import to_messages
 
 VERSION = 6
 TINY_NAME = "tiny"
@@ -197,7 +197,7 @@ def build_tokenizer(out_dir: str | Path, flavour: Flavour = FLAVOURS[TINY_NAME])
 def pretrain_texts(flavour: Flavour = FLAVOURS[TINY_NAME]) -> tuple[list[list[dict]], list[str]]:
     """Chats of the free-form task kinds (a fresh seed, not the shipped rows), the flavour's position
     questions (lists of the held-out sets left out), plus retain text."""
-    from .data.synthetic import MAKERS, make_position_rows, make_retain, make_rows
+    from ..data.synthetic import MAKERS, make_position_rows, make_retain, make_rows
 
     free_form = {i for i, maker in enumerate(MAKERS) if maker.__name__ in ("_addition", "_subtraction", "_reverse")}
     rows = [r for i, r in enumerate(make_rows(720, seed=4, prefix="pre")) if i % len(MAKERS) in free_form]
@@ -220,7 +220,7 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
     import torch
     from tqdm.auto import tqdm
 
-    from .data.render import render_chat
+    from ..data.render import render_chat
 
     chats, texts = pretrain_texts(flavour)
     # Chats: the served prompt + the turn, as training renders it, learned on the turn only (as SFT does):

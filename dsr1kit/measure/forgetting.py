@@ -28,11 +28,11 @@ from typing import Any, Iterable, Iterator, Literal
 
 import torch
 
-from .data.chat import to_messages
-from .data.labels import IGNORE, Encoded, collate, encode_rendered
-from .data.render import render_chat
-from .steps import FAIL, OK, WARN, Verdict
-from .train.hari import kl_mask, next_token_targets, token_terms
+from ..data.chat import to_messages
+from ..data.labels import IGNORE, Encoded, collate, encode_rendered
+from ..data.render import render_chat
+from ..run.verdict import FAIL, OK, WARN, Verdict
+from ..train.hari import kl_mask, next_token_targets, token_terms
 
 KlSpan = Literal["answer", "all"]
 _MASK_OF_SPAN = {"answer": "assistant", "all": "all"}
@@ -237,8 +237,8 @@ def evaluate_point(adapter_dir: str | Path, rows_a: list[dict[str, Any]], rows_b
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .model.load import load_tokenizer
-    from .tiny import resolve_model
+    from ..model.load import load_tokenizer
+    from ..embedded.tiny import resolve_model
 
     adapter_dir = Path(adapter_dir)
     config_file = adapter_dir / "adapter_config.json"

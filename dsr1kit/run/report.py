@@ -21,7 +21,6 @@ from typing import Any
 
 import yaml
 
-from . import params as P
 from .environment import collect_environment
 from .paths import PROJECT_ROOT
 from .redact import redact_text, redacted_cell_log
@@ -52,7 +51,7 @@ class RunResult:
 
 def process_rank(env: dict[str, str] | None = None) -> int:
     """This process's rank when several run the same notebook (srun one task per node, torchrun)."""
-    from .cluster.rendezvous import process_ranks
+    from ..cluster.rendezvous import process_ranks
 
     return process_ranks(env)[0]
 
@@ -62,15 +61,12 @@ def new_run_id(notebook: str) -> str:
     return f"{stamp}-{Path(notebook).stem}-{secrets.token_hex(3)}"
 
 
-def ensure_run_dir(p: P.NotebookParams, runs_root: str | Path | None = None) -> Path:
-    """The run folder for a notebook session: the given one, or a fresh one when run interactively."""
-    if p.run_dir:
-        path = Path(p.run_dir)
-    else:
-        path = Path(runs_root or PROJECT_ROOT / "runs") / new_run_id(p.notebook)
-        p.run_dir = str(path.resolve())
+def ensure_run_dir(run_dir: str | Path, notebook: str, runs_root: str | Path | None = None) -> Path:
+    """The run folder for a notebook session: ``run_dir`` when given, else a fresh one under ``runs_root``
+    (an interactive session), returned resolved."""
+    path = Path(run_dir) if run_dir else Path(runs_root or PROJECT_ROOT / "runs") / new_run_id(notebook)
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path.resolve() if not run_dir else path
 
 
 def record_summary(run_dir: str | Path, headline: str = "", **metrics: Any) -> dict[str, Any]:
@@ -145,30 +141,38 @@ def _failed_cell(ipynb: Path) -> dict[str, Any] | None:
     return None
 
 
+def find_notebook(notebook: str | Path) -> Path:
+    """The notebook file, or FileNotFoundError naming the kit's notebooks."""
+    notebook = Path(notebook)
+    if not notebook.is_file():
+        known = sorted(p.name for p in (PROJECT_ROOT / "notebooks").glob("*.ipynb"))
+        raise FileNotFoundError(f"notebook not found: {notebook}; the kit's notebooks: "
+                                + ", ".join(f"notebooks/{k}" for k in known))
+    return notebook
+
+
 def run_notebook(
     notebook: str | Path,
+    p: Any,
     param_files: list[str | Path] = (),
     overrides: dict[str, Any] | None = None,
     runs_root: str | Path = "runs",
     run_dir: str | Path | None = None,
     log_output: bool = True,
 ) -> RunResult:
-    """Validate parameters, execute the notebook with papermill, render HTML, write status.
+    """Execute the notebook with papermill on validated parameters ``p`` (a notebook's parameter object,
+    validated by the caller), render HTML, write status.
 
-    Raises ParamsError before anything runs; NotebookFailed (after writing the
-    partial report) when a cell raises.
+    ``param_files`` and ``overrides`` are only recorded in status.json. Raises NotebookFailed (after writing
+    the partial report) when a cell raises.
     """
     import papermill as pm
 
-    notebook = Path(notebook)
-    if not notebook.is_file():
-        known = sorted(p.name for p in (PROJECT_ROOT / "notebooks").glob("*.ipynb"))
-        raise FileNotFoundError(f"notebook not found: {notebook}; the kit's notebooks: "
-                                + ", ".join(f"notebooks/{k}" for k in known))
-    p = P.load(notebook, param_files, overrides)
+    notebook = find_notebook(notebook)
     if run_dir:
         p.run_dir = str(Path(run_dir).resolve())
-    shared_dir = ensure_run_dir(p, runs_root)
+    shared_dir = ensure_run_dir(p.run_dir, p.notebook, runs_root)
+    p.run_dir = str(shared_dir)
     rank = process_rank()
     # Every rank works in the shared run folder; rank 0's report is the run report, the others
     # keep theirs under ranks/rank<k>/ (a failing rank's traceback is there).

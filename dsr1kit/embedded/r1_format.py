@@ -10,8 +10,8 @@ config.json; sharded safetensors with an index. This module writes the
 so that with ``HF_HUB_OFFLINE=1`` the repo id resolves as it does on a
 cluster whose cache already holds R1. Nothing is downloaded.
 
-    python -m dsr1kit.r1_format          # builds it (cached), prints where it is
-    eval "$(python -m dsr1kit.r1_format --env)"   # and sets the offline hub environment in this shell
+    python -m dsr1kit.embedded.r1_format          # builds it (cached), prints where it is
+    eval "$(python -m dsr1kit.embedded.r1_format --env)"   # and sets the offline hub environment in this shell
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .model.fp8 import quantize_fp8_blocks
+from ..model.fp8 import quantize_fp8_blocks
 from .tiny import TINY_R1_NAME, cache_root, resolve_model
 
 REPO_ID = "dsr1kit-rehearsal/DeepSeek-R1-tiny"

@@ -2,7 +2,7 @@
 
 The model is the one place where a default and its help text live. The cell
 shows them to a person who opens the notebook, and gives papermill the names
-it injects a run's values after. ``python -m dsr1kit.parameters_cell`` rewrites
+it injects a run's values after. ``python -m dsr1kit.run.parameters_cell`` rewrites
 the committed cells after a model changes; a test fails while one differs.
 """
 
@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .params import MODELS, NotebookParams
+from ..params import MODELS, NotebookParams
 
 HEADER = ("# Parameters (defaults: the tiny CPU set, from dsr1kit.params; "
           "papermill injects a run's values after this cell).")
