@@ -361,7 +361,7 @@ def hari_step(model, seq: int, steps: int = 5) -> dict:
 def hari_compare(bf16_dir: Path, fp8_dir: Path, seq: int) -> dict:
     results = {}
     from dsr1kit.plan import GIB as PLAN_GIB
-    from dsr1kit.plan import Machine, hari_plan_for_config
+    from dsr1kit.plan import Machine, TrainingInputs, hari_plan_for_config
 
     for label, mode in (("nf4_linears_bf16_experts", "hf_nf4_linears"), ("nf4_linears_nf4_experts",
                                                                            "stream_fp8_to_nf4")):
@@ -370,9 +370,12 @@ def hari_compare(bf16_dir: Path, fp8_dir: Path, seq: int) -> dict:
             results[label] = hari_step(model, seq)
             if torch.cuda.is_available():
                 machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
-                plan = hari_plan_for_config(model.config, machine, quantization="nf4", dtype="bfloat16",
-                                            quantize_experts=mode.startswith("stream"), batch_size=1, max_len=seq,
-                                            lora_r=4, loss_chunk=1024, device_map="contiguous")
+                inputs = TrainingInputs(
+                    model="(config)", trust_remote_code=False, dtype="bfloat16", quantization="nf4",
+                    quantize_experts=mode.startswith("stream"), device_map="contiguous", batch_size=1, max_len=seq,
+                    loss_chunk=1024, lora_r=4, lora_last_k_layers=1, lora_targets=(), from_prefix_cache=False,
+                    cached_layers_nf4=False, prefix_tokens_per_batch=16384)
+                plan = hari_plan_for_config(model.config, machine, inputs)
                 planned = plan.peak_gpu_bytes / PLAN_GIB
                 results[label].update(plan_peak_gib=round(planned, 2), plan_over_measured=round(
                     planned / results[label]["peak_gpu_gib"], 3),

@@ -154,11 +154,14 @@ MODEL_GIB = 0.0  # allocated after the model is built (set in main): the measure
 
 def plan_vs_measured(model, seq: int, fast_peak_above_model_gib: float) -> dict:
     """The kit's plan of this fast step on one GPU against the measured peak (model + step)."""
-    from dsr1kit.plan import GIB, Machine, hari_plan_for_config
+    from dsr1kit.plan import GIB, Machine, TrainingInputs, hari_plan_for_config
 
     machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
-    plan = hari_plan_for_config(model.config, machine, quantization="none", dtype="bfloat16", batch_size=1,
-                                max_len=seq, lora_r=4, loss_chunk=1024, device_map="contiguous")
+    inputs = TrainingInputs(model="(config)", trust_remote_code=False, dtype="bfloat16", quantization="none",
+                            quantize_experts=False, device_map="contiguous", batch_size=1, max_len=seq,
+                            loss_chunk=1024, lora_r=4, lora_last_k_layers=1, lora_targets=(),
+                            from_prefix_cache=False, cached_layers_nf4=False, prefix_tokens_per_batch=16384)
+    plan = hari_plan_for_config(model.config, machine, inputs)
     measured = MODEL_GIB + fast_peak_above_model_gib
     planned = plan.peak_gpu_bytes / GIB
     return {"plan_peak_gib": round(planned, 2), "measured_peak_gib": round(measured, 2),

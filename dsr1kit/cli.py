@@ -69,7 +69,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a params file's step for this node (or the machine given); run nothing."""
     from . import params
-    from .plan import Machine, plan_for_params
+    from .plan import Machine
+    from .steps.plans import plans_for
 
     files = [args.params_file, *args.extra_file]
     notebook = args.notebook or Path(args.params_file).stem
@@ -79,7 +80,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     machine = Machine.detect().with_overrides(args.gpus, args.gpu_gib, args.host_gib)
-    plans = plan_for_params(Path(notebook).stem, p, machine)
+    plans = plans_for(notebook, p, machine)
     if not plans:
         print(f"{notebook} loads no model: nothing to plan")
     for plan in plans:

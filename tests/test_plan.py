@@ -10,6 +10,7 @@ from conftest import run_cli
 
 from dsr1kit import params
 from dsr1kit.plan import GIB, Machine, PlanError, hari_plan, inspect_plan, serve_plan
+from dsr1kit.steps import adapter_inspection, hari_training, vllm_inference
 from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, resolve_config
 
 R1 = Path("params/r1-671b-2x8h100")
@@ -23,7 +24,8 @@ def r1_inventory():
 
 
 def _hari(**overrides):
-    return params.load("notebooks/20_hari_training.ipynb", [R1 / "20_hari_training.yaml"], overrides)
+    p = params.load("notebooks/20_hari_training.ipynb", [R1 / "20_hari_training.yaml"], overrides)
+    return hari_training.plan_inputs(p)
 
 
 def test_r1_config_resolves_offline_and_counts_671b(r1_inventory):
@@ -40,7 +42,7 @@ def test_plan_weights_equal_what_the_loader_holds(tiny_dir):
     p = params.HariParams(model="tiny", quantization="none", dtype="float32", device_map="cpu")
     loaded = load_model(p)
     held = sum(q.numel() * q.element_size() for q in loaded.model.parameters())
-    plan = hari_plan(p, Machine(0, 0.0, 64 * GIB))
+    plan = hari_plan(hari_training.plan_inputs(p), Machine(0, 0.0, 64 * GIB))
     assert plan.devices[0].parts["weights"] == held
 
 
@@ -79,10 +81,10 @@ def test_longer_sequences_need_more_activation_memory(r1_inventory):
 
 def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
     p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
-    ok = serve_plan(p, R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
+    ok = serve_plan(vllm_inference.plan_inputs(p), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
     assert ok.fits, ok.text()
     assert 35 * GIB < ok.devices[0].parts["weights"] < 45 * GIB  # ~640 GiB of FP8 over 16 GPUs
-    too_long = serve_plan(p.model_copy(update={"max_model_len": 10_000_000}), R1_REPO,
+    too_long = serve_plan(vllm_inference.plan_inputs(p.model_copy(update={"max_model_len": 10_000_000})), R1_REPO,
                           Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
     assert not too_long.fits
     assert "fewer than one sequence of max_model_len" in too_long.refusal()
@@ -91,7 +93,7 @@ def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
 
 def test_inspection_plan_on_this_cpu_refuses_r1(r1_inventory):
     p = params.InspectParams(base_model=R1_REPO, quantization="nf4", quantize_experts=True, max_len=4096)
-    plan = inspect_plan(p, R1_REPO, Machine(0, 0.0, 20 * GIB), r1_inventory)
+    plan = inspect_plan(adapter_inspection.plan_inputs(p), R1_REPO, Machine(0, 0.0, 20 * GIB), r1_inventory)
     assert not plan.fits and plan.devices[0].name == "host"
 
 
@@ -126,7 +128,7 @@ def test_r1_training_on_this_node_stops_before_any_loading(tmp_path):
 def test_cluster_check_rows_fail_r1s_steps_on_this_node_with_the_fix():
     """Notebook 00's look-ahead: R1's params files planned against a CPU node fail, each with what to change."""
     from dsr1kit.cluster import checks
-    from dsr1kit.plan import plans_for_files
+    from dsr1kit.steps.plans import plans_for_files
     from dsr1kit.embedded.r1_format import build
 
     build()  # the rehearsal's R1-format checkpoint in the offline hub cache (cached): its config is planned

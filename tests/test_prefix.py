@@ -316,15 +316,16 @@ def test_the_adapted_layers_alone_give_the_full_models_logits(tiny_dir):
 
 def test_r1_from_the_cache_fits_one_80gb_gpu_where_the_whole_model_does_not():
     from dsr1kit.plan import Machine, hari_plan, prefix_pass_plan
+    from dsr1kit.steps.hari_training import plan_inputs
 
     p = P.load("20_hari_training", ["params/r1-671b-2x8h100/20_hari_training.yaml"])
     one_gpu = Machine(1, 80 * 2**30, 1000 * 2**30)
-    assert not hari_plan(p, one_gpu).fits
-    cached = hari_plan(p.model_copy(update={"prefix_cache": "auto"}), one_gpu)
+    assert not hari_plan(plan_inputs(p), one_gpu).fits
+    cached = hari_plan(plan_inputs(p.model_copy(update={"prefix_cache": "auto"})), one_gpu)
     assert cached.fits and "prefix cache" in cached.step
     weights = cached.devices[0].parts["weights"] / 2**30
     assert 20 < weights < 26  # one MoE layer in bf16 (~21 GiB) + lm_head and norm
-    assert prefix_pass_plan(p, Machine(8, 80 * 2**30, 1000 * 2**30)).fits
+    assert prefix_pass_plan(plan_inputs(p), Machine(8, 80 * 2**30, 1000 * 2**30)).fits
 
 
 def test_the_cache_needs_the_fast_path():

@@ -53,7 +53,7 @@ from ..data.chat import to_messages
 VERSION = 6
 TINY_NAME = "tiny"
 TINY_R1_NAME = "tiny-r1"
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 CORPUS_FILES = ("sft_tiny.jsonl", "eval_tiny.jsonl", "retain_tiny.jsonl", "task_b_train.jsonl")
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"

@@ -114,12 +114,28 @@ def unit_devices(inv: Inventory, n_gpus: int, scheme: str) -> dict[str, int]:
 
 # -- the steps ---------------------------------------------------------------------------------------
 
-def training_devices(inv: Inventory, *, n_gpus: int, gpu_bytes: float, host_bytes: float, scheme: str,
-                     dtype_bytes: int, nf4_linears: bool, nf4_experts: bool, tokens: int, chunk: int,
-                     last_k: int, lora_params: int, from_pretrained: bool, train: bool = True,
-                     probe_tokens: int = 0) -> list[Device]:
+@dataclass(frozen=True)
+class Workload:
+    """What a step holds and runs on one node's devices, in the terms the byte counts need."""
+
+    dtype_bytes: int          # bytes per element of the compute dtype (activations, unquantized weights)
+    nf4_linears: bool         # the linears are NF4
+    nf4_experts: bool         # the fused MoE experts are NF4 (dequantized CHUNK_EXPERTS at a time)
+    tokens: int               # tokens per forward (batch x length)
+    chunk: int = 0            # tokens per chunk of the loss pass (train only)
+    last_k: int = 0           # adapted layers (train only)
+    lora_params: int = 0      # trainable LoRA parameters (train only)
+    from_pretrained: bool = True  # weights pass through the host on their way to the GPUs
+    train: bool = True        # one HARI fast-path step; False: a forward only
+    probe_tokens: int = 0     # forward only: tokens whose fp32 logits are compared
+
+
+def training_devices(inv: Inventory, work: Workload, *, n_gpus: int, scheme: str, gpu_bytes: float,
+                     host_bytes: float) -> list[Device]:
     """HARI load + one fast-path step (train=True) or an inspection forward (train=False), per device."""
-    c, act = inv.config, dtype_bytes
+    c, act = inv.config, work.dtype_bytes
+    dtype_bytes, nf4_linears, nf4_experts, tokens = work.dtype_bytes, work.nf4_linears, work.nf4_experts, work.tokens
+    chunk, last_k, lora_params, train = work.chunk, work.last_k, work.lora_params, work.train
     per_kind = bytes_per_param(dtype_bytes, nf4_linears, nf4_experts)
     weights = {u: inv.unit_bytes(u, per_kind) for u in inv.units}
     n_layers = len(inv.layers)
@@ -146,7 +162,7 @@ def training_devices(inv: Inventory, *, n_gpus: int, gpu_bytes: float, host_byte
         saved += tokens * c.hidden_size * (6 * act + 8)  # input, student, ref, gathered pair, grads (+fp32)
         loss = min(chunk, tokens) * vocab * (4 * LOSS_FP32_TEMPS + 2 * act)
     else:
-        loss = probe_tokens * vocab * (4 * PROBE_FP32_TEMPS + act)
+        loss = work.probe_tokens * vocab * (4 * PROBE_FP32_TEMPS + act)
     devices = []
     for d in range(slots):
         # the peak is one phase: a layer's forward/backward (dequantized experts + its transient) or the loss
@@ -165,7 +181,7 @@ def training_devices(inv: Inventory, *, n_gpus: int, gpu_bytes: float, host_byte
             devices.append(Device("host", parts, host_bytes, phase))
     if on_gpu:  # the host only loads: from_pretrained passes the checkpoint through it, streaming one tensor
         host = {"runtime": HOST_RUNTIME}
-        if from_pretrained:
+        if work.from_pretrained:
             host["weights in transit"] = sum(inv.unit_bytes(u, bytes_per_param(dtype_bytes, False, False))
                                              for u in inv.units)
         devices.append(Device("host", host, host_bytes))

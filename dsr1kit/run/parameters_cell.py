@@ -20,7 +20,7 @@ HEADER = ("# Parameters (defaults: the tiny CPU set, from dsr1kit.params; "
           "papermill injects a run's values after this cell).")
 COMMENT_COLUMN = 40  # comments line up here unless the assignment is longer
 LINE_WIDTH = 112     # help text wraps onto comment lines below, at the same column
-NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def render(model: type[NotebookParams]) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from .. import params as P
 from ..data.plan import load_rows
+from ..plan import InspectionInputs, Machine, Plan, inspection_plans
 from ..run.paths import PROJECT_ROOT, resolve
 from ..inspection.adapter import (Adapter, AdapterError, ModuleStats, inspect_adapter,  # noqa: F401
                                   latest_adapter, read_adapter, stats_frame)
@@ -49,11 +50,20 @@ def base_model_name(p, adapter: Adapter) -> str:
     return base
 
 
-def memory_plans(p, adapter: Adapter) -> dict[str, Any]:
-    """The inspection's load + probes, and (with merge_out) the fp32 logits check of the merge, on this node."""
-    from ..plan import Machine, inspection_plans
+def plan_inputs(p) -> InspectionInputs:
+    """What the inspection planner reads of notebook 30's parameters."""
+    return InspectionInputs(quantization=p.quantization, quantize_experts=p.quantize_experts, max_len=p.max_len,
+                            merge=bool(p.merge_out))
 
-    return inspection_plans(p, base_model_name(p, adapter), Machine.detect())
+
+def memory_plans(p, adapter: Adapter, machine: Machine | None = None) -> dict[str, Plan]:
+    """The inspection's load + probes, and (with merge_out) the fp32 logits check of the merge, on this node."""
+    return inspection_plans(plan_inputs(p), base_model_name(p, adapter), machine or Machine.detect())
+
+
+def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
+    """The plans of notebook 30 before its adapter exists (the look-ahead): base_model, or the embedded model."""
+    return list(inspection_plans(plan_inputs(p), p.base_model or "tiny", machine or Machine.detect()).values())
 
 
 def load_adapted(p, adapter: Adapter, plan=None):

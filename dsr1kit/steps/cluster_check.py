@@ -69,7 +69,8 @@ def ray_check(p, ranks: Ranks) -> tuple[dict | None, list[checks.Row]]:
 
 def memory_plans(p) -> list[tuple[str, Any]]:
     """Each plan_files entry planned against the GPUs and host memory found here."""
-    from ..plan import Machine, plans_for_files
+    from ..plan import Machine
+    from .plans import plans_for_files
 
     return plans_for_files(p.plan_files, Machine.detect())
 

@@ -22,6 +22,7 @@ from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadedModel, load_model
 from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary
+from ..plan import Machine, Plan, TrainingInputs, hari_plan, prefix_pass_plan
 from ..train import dist, prefix
 from ..train.loop import TrainResult, train
 from . import FAIL, OK, WARN, StepFailed, Verdict
@@ -105,12 +106,20 @@ def prepare_data(p, tokenizer) -> TrainingData:
     return TrainingData(encoded, [asdict(r) for r in loaded.report])
 
 
-def memory_plan(p):
-    """Bytes per GPU and host for loading the model and one HARI step, on this node (nothing loaded).
-    With a prefix cache: one rank's adapted layers and step."""
-    from ..plan import Machine, hari_plan
+def plan_inputs(p) -> TrainingInputs:
+    """What the planners read of notebook 20's parameters."""
+    return TrainingInputs(
+        model=p.model, trust_remote_code=p.trust_remote_code, dtype=p.dtype, quantization=p.quantization,
+        quantize_experts=p.quantize_experts, device_map=p.device_map, batch_size=p.batch_size, max_len=p.max_len,
+        loss_chunk=p.loss_chunk, lora_r=p.lora_r, lora_last_k_layers=p.lora_last_k_layers,
+        lora_targets=tuple(p.lora_targets), from_prefix_cache=p.prefix_cache != "off",
+        cached_layers_nf4=p.cached_layers_nf4, prefix_tokens_per_batch=p.prefix_tokens_per_batch)
 
-    return hari_plan(p, Machine.detect())
+
+def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
+    """Bytes per GPU and host for loading the model and one HARI step, on this node unless ``machine`` says
+    otherwise (nothing loaded). With a prefix cache: one rank's adapted layers and step."""
+    return [hari_plan(plan_inputs(p), machine or Machine.detect())]
 
 
 def first_layer_of(p) -> int:
@@ -143,7 +152,6 @@ def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
     import socket
 
     from ..model.load import local_checkpoint
-    from ..plan import Machine, prefix_pass_plan
     from ..plan.inventory import resolve_config
 
     first = first_layer_of(p)
@@ -162,7 +170,7 @@ def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
     if all((folder / s.file).is_file() for s in mine):
         return folder, fp, None
     prefix.check_disk(folder, layout, missing)  # every task's share: they may all write to this one disk
-    prefix_pass_plan(p, Machine.detect()).check()
+    prefix_pass_plan(plan_inputs(p), Machine.detect()).check()
     loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
     failed = folder / f"failed-task{info.rank}"
     failed.unlink(missing_ok=True)
@@ -251,7 +259,7 @@ def prepare_model(p, info: dist.DistInfo, data: TrainingData, plan=None, tokeniz
                   cache: PrefixCacheReady | None = None) -> Prepared:
     """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not).
     From a prefix cache, only the adapted layers, norm and lm_head are loaded, on this rank's own device."""
-    (plan or memory_plan(p)).check()
+    (plan or memory_plan(p)[0]).check()
     if cache is not None:
         from ..model.load import load_adapted
 

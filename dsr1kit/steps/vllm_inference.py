@@ -9,7 +9,31 @@ from typing import Any
 
 from ..infer import evaluate
 from ..infer.client import read_answers
+from ..plan import Machine, Plan, ServingInputs, reference_plan, serve_plan
 from . import FAIL, OK, WARN, StepFailed, Verdict
+
+
+def plan_inputs(p) -> ServingInputs:
+    """What the serving planner reads of notebook 10's parameters."""
+    return ServingInputs(
+        dtype=p.dtype, tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
+        data_parallel_size=p.data_parallel_size, gpu_memory_utilization=p.gpu_memory_utilization,
+        max_model_len=p.max_model_len, max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+        enforce_eager=p.enforce_eager,
+        cpu_kv_cache_gib=float(p.server_env.get("VLLM_CPU_KVCACHE_SPACE", 4)))
+
+
+def memory_plan(p, machine: Machine | None = None, model_path: str | None = None) -> list[Plan]:
+    """vLLM serving the model on ``machine`` (this node by default), and with a LoRA adapter served for parity,
+    the PEFT reference in fp32 on the host (512 tokens: the plan of the look-ahead; the step plans its prompts)."""
+    from ..infer.serve_form import fp8_blocks_servable
+
+    machine = machine or Machine.detect()
+    model = model_path or p.model
+    plans = [serve_plan(plan_inputs(p), model, machine, fp8_blocks=fp8_blocks_servable())]
+    if p.lora_adapter and p.adapter_mode == "lora" and model_path is None:
+        plans.append(reference_plan(model, machine, 512, "parity reference (PEFT, fp32, host)"))
+    return plans
 
 
 def load_model_and_tokenizer(model: str):
@@ -83,8 +107,6 @@ class ServedEval:
     """
 
     def __init__(self, p, run_dir: str | Path, model_path: str, adapter: Path | None, machine=None):
-        from ..plan import Machine
-
         self.p, self.run_dir, self.model_path, self.adapter = p, Path(run_dir), model_path, adapter
         self.serve_lora = bool(adapter) and p.adapter_mode == "lora"
         self.machine = machine or Machine.detect()
@@ -98,10 +120,7 @@ class ServedEval:
 
     def memory_plan(self):
         """vLLM's share per GPU (or host) for this model; the notebook shows it, start() refuses a misfit."""
-        from ..plan import serve_plan
-        from ..infer.serve_form import fp8_blocks_servable
-
-        return serve_plan(self.p, self.model_path, self.machine, fp8_blocks=fp8_blocks_servable())
+        return memory_plan(self.p, self.machine, self.model_path)[0]
 
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
         from ..infer import adapters
@@ -126,7 +145,6 @@ class ServedEval:
 
     def check_parity(self, prompts):
         """PEFT vs vLLM logprobs for a served LoRA; not 'applied' + merge_if_ignored → base restarted without LoRA."""
-        from ..plan import reference_plan
         from ..infer import adapters
 
         if not self.serve_lora:
