@@ -18,13 +18,22 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 LAB_ARGS ?=
 
-.PHONY: demo test venv vllm sysdeps lab clean-runs data
+.PHONY: demo test lint format venv vllm sysdeps lab clean-runs data
 
 demo: venv vllm
 	$(BIN)/dsr1kit demo
 
-test: venv vllm sysdeps
+test: lint vllm sysdeps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# ruff: lint and format (line length 110), configured in pyproject.toml; `make format` rewrites in place.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 venv: $(STAMP)
 

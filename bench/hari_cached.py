@@ -1,8 +1,8 @@
 """HARI with a prefix cache on one GPU: the cached step, the full-depth step and the prefix pass, at R1's widths.
 
-    python bench/hari_cached.py --out hari_cached.json                   # one H200, S=4096 (< 5 min)
-    python bench/hari_cached.py --seq 4096 --full-layers 8 --iters 5 --warmup 2 --out hari_cached.json
-    python bench/hari_cached.py --device cpu --tiny --out /tmp/hc.json   # smoke test of every code path
+    python -m bench.hari_cached --out hari_cached.json                   # one H200, S=4096 (< 5 min)
+    python -m bench.hari_cached --seq 4096 --full-layers 8 --iters 5 --warmup 2 --out hari_cached.json
+    python -m bench.hari_cached --device cpu --tiny --out /tmp/hc.json   # smoke test of every code path
 
 The hidden state entering the first adapted (LoRA) layer depends on the sample
 only, so a forward-only *prefix pass* computes it once and writes it to a cache;
@@ -26,7 +26,7 @@ the GPU unit by unit (never a full model on the host). One run measures:
    entered at ``inputs_embeds`` never reads it.
 2. **full-depth step** — the kit's uncached fast step (prefix under no_grad,
    last layer twice, chunked CE/KL) on ``--full-layers`` layers (3 dense + MoE),
-   built as bench/hari_multigpu.py builds for 1 GPU: NF4 experts, bitsandbytes
+   built by ``bench.common.build`` as bench/hari_multigpu.py builds, on 1 GPU: NF4 experts, bitsandbytes
    NF4 linears, bf16 embeddings / lm_head, fp32 router. Beside it, a constant
    from an EARLIER run (not measured here): 61 layers on 4 H200s, 2,133.6 ms per
    4096-token step = 1,920 tokens/s per step = 480 tokens/s per GPU.
@@ -52,43 +52,50 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hari_multigpu import _init_, _quantize_linears, r1_config  # noqa: E402
+from dsr1kit.model.lora import decoder_layers
+from dsr1kit.train.hari import fast_loss, prefix_forward
 
-from dsr1kit.model.experts_nf4 import keep_routing_fp32, quantize_experts_  # noqa: E402
-from dsr1kit.model.lora import apply_lora, decoder_layers  # noqa: E402
-from dsr1kit.train.hari import fast_loss, prefix_forward  # noqa: E402
+from .common import (
+    CHUNK,
+    LAMBDA,
+    LORA,
+    T,
+    add_lora,
+    allocated_gib,
+    build,
+    check_lora_grads,
+    empty_cache,
+    fmt,
+    free,
+    is_cuda,
+    labels_for,
+    peak_gib,
+    r1_config,
+    reset_peak,
+    sync,
+    timed,
+    tiny_config,
+)
 
-GiB = 2**30
-T, LAMBDA, CHUNK = 1.5, 0.9, 1024
 TARGET_TOKENS_PER_S_PER_GPU = 25_000
-EARLIER_61 = {"source": "earlier run, not measured here", "layers": 61, "gpus": 4, "seq": 4096,
-              "step_ms": 2133.6, "tokens_per_s": 1920.0, "tokens_per_s_per_gpu": 480.0}
+EARLIER_61 = {
+    "source": "earlier run, not measured here",
+    "layers": 61,
+    "gpus": 4,
+    "seq": 4096,
+    "step_ms": 2133.6,
+    "tokens_per_s": 1920.0,
+    "tokens_per_s_per_gpu": 480.0,
+}
 R1_PREFIX = {"layers": 60, "dense": 3, "moe": 57}  # layers below R1's last (61st) layer
 
 
-# -- configs and builders ------------------------------------------------------------------
-
-def tiny_config(layers: int, first_k_dense: int):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=layers, first_k_dense_replace=first_k_dense, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=64,
-        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096,
-        tie_word_embeddings=False, use_cache=False,
-    )
+# -- configs and the build -----------------------------------------------------------------
 
 
 def make_config(layers: int, tiny: bool, cached: bool):
@@ -101,102 +108,18 @@ def make_config(layers: int, tiny: bool, cached: bool):
     return config
 
 
-def build(config, device: torch.device, experts: str, linears: str, embed: bool):
-    """Meta skeleton, then each unit materialized, initialized and (optionally) quantized on ``device``.
+def build_one_device(config, device: torch.device, experts: str, linears: str, embed: bool):
+    """``common.build`` on one device, then ``LORA`` with a trained-looking lora_B.
 
-    Mirrors bench/hari_multigpu.py's ``build`` for one device; ``experts`` / ``linears``:
-    "nf4" or "bf16"; ``embed=False`` leaves a 1-row placeholder for the embedding table.
+    ``embed=False`` leaves a 1-row placeholder for the embedding table.
     """
-    from transformers import DeepseekV3ForCausalLM
-
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
-    model.to(torch.bfloat16)  # still on meta: each unit materializes in bf16
-    if not embed:
-        model.model.embed_tokens = torch.nn.Embedding(1, config.hidden_size, device=device, dtype=torch.bfloat16)
-    units = (["model.embed_tokens"] if embed else []) + [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
-    for unit in units + ["model.norm", "lm_head"]:
-        module = model.get_submodule(unit)
-        module.to_empty(device=device)
-        _init_(module)
-        if unit.startswith("model.layers."):
-            if experts == "nf4":
-                quantize_experts_(module)
-            if linears == "nf4":
-                _quantize_linears(module, device)
-        empty_cache(device)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
-    keep_routing_fp32(model)
-    if linears == "nf4":
-        model.is_loaded_in_4bit = True
-    for q in model.parameters():
-        q.requires_grad_(False)
-    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    if moe != list(range(config.first_k_dense_replace, config.num_hidden_layers)):
-        raise RuntimeError(f"MoE layers {moe}, expected from {config.first_k_dense_replace} on")
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"still on meta after the build: {left[:5]}")
-    p = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_last_k_layers=1, lora_targets=[])
-    model, plan = apply_lora(model, p)
-    with torch.no_grad():
-        for name, q in model.named_parameters():
-            if "lora_B" in name:
-                q.normal_(std=0.02)  # a trained-looking adapter: lora_A gets a gradient, the KL is not zero
-    model.train()
-    return model, plan
-
-
-# -- device helpers ------------------------------------------------------------------------
-
-def is_cuda(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
-def sync(device: torch.device) -> None:
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
-
-
-def empty_cache(device: torch.device) -> None:
-    if is_cuda(device):
-        torch.cuda.empty_cache()
-
-
-def free(device: torch.device) -> None:
-    gc.collect()  # PEFT / hooks hold reference cycles
-    if is_cuda(device):
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def allocated_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.memory_allocated(device) / GiB, 2) if is_cuda(device) else None
-
-
-def peak_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated(device) / GiB, 2) if is_cuda(device) else None
-
-
-def reset_peak(device: torch.device) -> None:
-    if is_cuda(device):
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds of ``fn`` over ``iters`` calls after ``warmup`` calls, synchronized."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    units = (["model.embed_tokens"] if embed else []) + [
+        f"model.layers.{i}" for i in range(config.num_hidden_layers)
+    ]
+    model = build(
+        config, {u: device for u in units + ["model.norm", "lm_head"]}, experts=experts, linears=linears
+    )
+    return add_lora(model)
 
 
 def oom_types() -> tuple[type[BaseException], ...]:
@@ -204,11 +127,6 @@ def oom_types() -> tuple[type[BaseException], ...]:
 
 
 # -- the HARI step ---------------------------------------------------------------------------
-
-def labels_for(ids: torch.Tensor) -> torch.Tensor:
-    labels = ids.clone()
-    labels[:, : ids.shape[1] // 2] = -100  # CE on the second half
-    return labels
 
 
 def cached_batch(config, seq: int, device: torch.device, seed: int = 0) -> dict:
@@ -218,7 +136,9 @@ def cached_batch(config, seq: int, device: torch.device, seed: int = 0) -> dict:
     return {"inputs_embeds": hidden, "attention_mask": torch.ones_like(ids), "labels": labels_for(ids)}
 
 
-def token_batch(config, shape: tuple[int, int], device: torch.device, seed: int = 0, labels: bool = True) -> dict:
+def token_batch(
+    config, shape: tuple[int, int], device: torch.device, seed: int = 0, labels: bool = True
+) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, shape, generator=g, device=device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -231,20 +151,9 @@ def hari_step(model, batch, first_layer: int) -> None:
     fast_loss(model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK).loss.backward()
 
 
-def check_lora_grads(model) -> int:
-    """Every trainable parameter is a LoRA factor with a non-None, finite, non-zero gradient."""
-    trainable = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    assert trainable, "no trainable parameters"
-    assert all("lora_" in n for n, _ in trainable), [n for n, _ in trainable if "lora_" not in n]
-    bad = [n for n, q in trainable
-           if q.grad is None or not bool(torch.isfinite(q.grad).all()) or not bool(q.grad.abs().sum() > 0)]
-    assert not bad, f"LoRA gradients None, non-finite or zero: {bad}"
-    return len(trainable)
-
-
 def measure_step(model, batch, first_layer: int, seq: int, device, warmup: int, iters: int) -> dict:
     hari_step(model, batch, first_layer)  # first step: check the gradients (untimed, counts as warm-up)
-    n_lora = check_lora_grads(model)
+    n_lora = len(check_lora_grads(model, f"step from layer {first_layer}"))
     model.zero_grad(set_to_none=True)
 
     def one():
@@ -252,11 +161,15 @@ def measure_step(model, batch, first_layer: int, seq: int, device, warmup: int, 
         model.zero_grad(set_to_none=True)
 
     step = timed(one, device, max(warmup - 1, 0), iters)
-    return {"step_ms": round(step * 1e3, 1), "tokens_per_s": round(seq / step, 1),
-            "lora_tensors_with_grad": n_lora}
+    return {
+        "step_ms": round(step * 1e3, 1),
+        "tokens_per_s": round(seq / step, 1),
+        "lora_tensors_with_grad": n_lora,
+    }
 
 
 # -- the three parts ------------------------------------------------------------------------------
+
 
 def part_cached(args, device, experts: str) -> dict:
     row = {"part": "cached", "experts": experts, "linears": "bf16", "layers": 1, "seq": args.seq, "batch": 1}
@@ -265,12 +178,16 @@ def part_cached(args, device, experts: str) -> dict:
     try:
         t0 = time.perf_counter()
         config = make_config(1, args.tiny, cached=True)
-        model, plan = build(config, device, experts=experts, linears="bf16", embed=False)
+        model, plan = build_one_device(config, device, experts=experts, linears="bf16", embed=False)
         sync(device)
-        row.update(build_s=round(time.perf_counter() - t0, 1), gib_after_build=allocated_gib(device),
-                   lora_modules=plan.modules, experts_module=type(decoder_layers(model)[0].mlp.experts).__name__,
-                   attn_implementation=config._attn_implementation,
-                   experts_implementation=getattr(config, "_experts_implementation", None))
+        row.update(
+            build_s=round(time.perf_counter() - t0, 1),
+            gib_after_build=allocated_gib(device),
+            lora_modules=plan.modules,
+            experts_module=type(decoder_layers(model)[0].mlp.experts).__name__,
+            attn_implementation=config._attn_implementation,
+            experts_implementation=getattr(config, "_experts_implementation", None),
+        )
         batch = cached_batch(config, args.seq, device)
         reset_peak(device)
         row.update(measure_step(model, batch, min(plan.layers), args.seq, device, args.warmup, args.iters))
@@ -284,19 +201,29 @@ def part_cached(args, device, experts: str) -> dict:
 
 
 def part_full_and_prefix(args, device) -> tuple[dict, list[dict]]:
-    full = {"part": "full_depth", "experts": "nf4", "linears": "nf4", "layers": args.full_layers,
-            "seq": args.seq, "batch": 1}
+    full = {
+        "part": "full_depth",
+        "experts": "nf4",
+        "linears": "nf4",
+        "layers": args.full_layers,
+        "seq": args.seq,
+        "batch": 1,
+    }
     prefix_rows: list[dict] = []
     free(device)
     model = batch = None
     try:
         t0 = time.perf_counter()
         config = make_config(args.full_layers, args.tiny, cached=False)
-        model, plan = build(config, device, experts="nf4", linears="nf4", embed=True)
+        model, plan = build_one_device(config, device, experts="nf4", linears="nf4", embed=True)
         sync(device)
-        full.update(build_s=round(time.perf_counter() - t0, 1), gib_after_build=allocated_gib(device),
-                    dense_layers=config.first_k_dense_replace, lora_modules=plan.modules,
-                    experts_module=type(decoder_layers(model)[-1].mlp.experts).__name__)
+        full.update(
+            build_s=round(time.perf_counter() - t0, 1),
+            gib_after_build=allocated_gib(device),
+            dense_layers=config.first_k_dense_replace,
+            lora_modules=plan.modules,
+            experts_module=type(decoder_layers(model)[-1].mlp.experts).__name__,
+        )
     except oom_types() as e:
         full["error"] = f"OOM in build: {str(e).splitlines()[0]}"
         del model
@@ -336,14 +263,17 @@ def measure_prefix(model, config, shape, what: str, stop: int, device, args) -> 
         reset_peak(device)
         with torch.no_grad():
             t = timed(lambda: prefix_forward(model, batch, first_layer=stop), device, args.warmup, args.iters)
-        row.update(ms=round(t * 1e3, 1), tokens_per_s_per_gpu=round(tokens / t, 1),
-                   layer_tokens_per_s_per_gpu=round(tokens * stop / t, 1),
-                   ms_per_layer_per_4096_tokens=round(t * 1e3 / stop * 4096 / tokens, 2),
-                   peak_gib=peak_gib(device))
+        row.update(
+            ms=round(t * 1e3, 1),
+            tokens_per_s_per_gpu=round(tokens / t, 1),
+            layer_tokens_per_s_per_gpu=round(tokens * stop / t, 1),
+            ms_per_layer_per_4096_tokens=round(t * 1e3 / stop * 4096 / tokens, 2),
+            peak_gib=peak_gib(device),
+        )
     except oom_types() as e:
         row["error"] = f"OOM: {str(e).splitlines()[0]}"
     finally:
-        del batch
+        batch = None  # not ``del``: the timed closure reads the name
         gc.collect()
         empty_cache(device)
     return row
@@ -362,32 +292,40 @@ def prefix_extrapolation(prefix_rows: list[dict], dense_layers: int, layers_run:
             continue
         tokens = shape[0] * shape[1]
         full_ms = by["all_below_last"]["ms"]
-        row = {"shape": list(shape), "tokens": tokens,
-               "r1_60_uniform_tokens_per_s_per_gpu": round(tokens * layers_run / full_ms * 1e3 / R1_PREFIX["layers"], 1)}
+        uniform = tokens * layers_run / full_ms * 1e3 / R1_PREFIX["layers"]
+        row = {
+            "shape": list(shape),
+            "tokens": tokens,
+            "r1_60_uniform_tokens_per_s_per_gpu": round(uniform, 1),
+        }
         n_moe = layers_run - dense_layers
         if "dense_only" in by and n_moe > 0:
             dense_ms = by["dense_only"]["ms"]  # embeddings + dense layers
             moe_layer_ms = (full_ms - dense_ms) / n_moe
             r1_ms = dense_ms / dense_layers * R1_PREFIX["dense"] + moe_layer_ms * R1_PREFIX["moe"]
-            row.update(dense_layer_ms=round(dense_ms / dense_layers, 2), moe_layer_ms=round(moe_layer_ms, 2),
-                       r1_60_split_ms=round(r1_ms, 1),
-                       r1_60_split_tokens_per_s_per_gpu=round(tokens / r1_ms * 1e3, 1))
+            row.update(
+                dense_layer_ms=round(dense_ms / dense_layers, 2),
+                moe_layer_ms=round(moe_layer_ms, 2),
+                r1_60_split_ms=round(r1_ms, 1),
+                r1_60_split_tokens_per_s_per_gpu=round(tokens / r1_ms * 1e3, 1),
+            )
         out.append(row)
     return out
 
 
 # -- report --------------------------------------------------------------------------------------
 
-def fmt(v, spec: str = "") -> str:
-    return "—" if v is None else format(v, spec)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=None, help="tokens per step (default 4096; 64 with --tiny)")
     ap.add_argument("--full-layers", type=int, default=8)
-    ap.add_argument("--prefix-shapes", nargs="+", default=None,
-                    help="BxS batches of the prefix pass (default 1xSEQ 4xSEQ 1x(4·SEQ))")
+    ap.add_argument(
+        "--prefix-shapes",
+        nargs="+",
+        default=None,
+        help="BxS batches of the prefix pass (default 1xSEQ 4xSEQ 1x(4·SEQ))",
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda")
@@ -405,8 +343,11 @@ def main() -> None:
     torch.manual_seed(0)
     t_start = time.perf_counter()
     name = torch.cuda.get_device_name(device) if is_cuda(device) else "cpu"
-    print(f"{name}  {'TINY widths' if args.tiny else 'R1 widths'}  S={args.seq}  "
-          f"full-depth layers={args.full_layers}  iters={args.iters} warmup={args.warmup}", flush=True)
+    print(
+        f"{name}  {'TINY widths' if args.tiny else 'R1 widths'}  S={args.seq}  "
+        f"full-depth layers={args.full_layers}  iters={args.iters} warmup={args.warmup}",
+        flush=True,
+    )
 
     cached = [part_cached(args, device, "bf16")]
     print(json.dumps(cached[-1]), flush=True)
@@ -420,7 +361,9 @@ def main() -> None:
     for r in prefix_rows:
         print(json.dumps(r), flush=True)
     dense = full.get("dense_layers", 0)
-    extrap = prefix_extrapolation(prefix_rows, dense, args.full_layers - 1) if "gib_after_build" in full else []
+    extrap = (
+        prefix_extrapolation(prefix_rows, dense, args.full_layers - 1) if "gib_after_build" in full else []
+    )
 
     hidden = 128 if args.tiny else 7168
     cache_bytes_per_token = hidden * 2
@@ -428,15 +371,22 @@ def main() -> None:
     tps = bf16.get("tokens_per_s")
     ratios = {
         "cached_bf16_over_full_depth_here": round(tps / full["tokens_per_s"], 1)
-        if tps and full.get("tokens_per_s") else None,
+        if tps and full.get("tokens_per_s")
+        else None,
         "cached_bf16_over_earlier_61_layer_per_gpu": round(tps / EARLIER_61["tokens_per_s_per_gpu"], 1)
-        if tps else None,
+        if tps
+        else None,
         "cached_nf4_over_full_depth_here": round(cached[1]["tokens_per_s"] / full["tokens_per_s"], 1)
-        if cached[1].get("tokens_per_s") and full.get("tokens_per_s") else None,
+        if cached[1].get("tokens_per_s") and full.get("tokens_per_s")
+        else None,
     }
-    target = {"tokens_per_s_per_gpu": TARGET_TOKENS_PER_S_PER_GPU, "seq": 4096,
-              "measured_seq": args.seq, "meaningful": (not args.tiny) and is_cuda(device) and args.seq == 4096,
-              "met": bool(tps and tps >= TARGET_TOKENS_PER_S_PER_GPU)}
+    target = {
+        "tokens_per_s_per_gpu": TARGET_TOKENS_PER_S_PER_GPU,
+        "seq": 4096,
+        "measured_seq": args.seq,
+        "meaningful": (not args.tiny) and is_cuda(device) and args.seq == 4096,
+        "met": bool(tps and tps >= TARGET_TOKENS_PER_S_PER_GPU),
+    }
 
     print("\n### 1–2. HARI step, batch 1, S =", args.seq, "(forward + backward, no optimizer)\n")
     print("| step | layers | experts | linears | step ms | tokens/s (per GPU) | GiB after build | peak GiB |")
@@ -444,60 +394,108 @@ def main() -> None:
     for r in [*cached, full]:
         label = "cached (from inputs_embeds)" if r["part"] == "cached" else "full depth, uncached"
         if "step_ms" in r:
-            print(f"| {label} | {r['layers']} | {r['experts']} | {r['linears']} | {r['step_ms']} | "
-                  f"{r['tokens_per_s']:,.0f} | {fmt(r.get('gib_after_build'))} | {fmt(r.get('peak_gib'))} |")
+            print(
+                f"| {label} | {r['layers']} | {r['experts']} | {r['linears']} | {r['step_ms']} | "
+                f"{r['tokens_per_s']:,.0f} | {fmt(r.get('gib_after_build'))} | {fmt(r.get('peak_gib'))} |"
+            )
         else:
-            print(f"| {label} | {r.get('layers', '')} | {r.get('experts', '')} | {r.get('linears', '')} | "
-                  f"{r.get('error') or r.get('skipped')} | | {fmt(r.get('gib_after_build'))} | |")
+            print(
+                f"| {label} | {r.get('layers', '')} | {r.get('experts', '')} | {r.get('linears', '')} | "
+                f"{r.get('error') or r.get('skipped')} | | {fmt(r.get('gib_after_build'))} | |"
+            )
     e = EARLIER_61
-    print(f"| full depth, earlier run, NOT measured here ({e['gpus']} H200) | {e['layers']} | nf4 | nf4 | "
-          f"{e['step_ms']:,} | {e['tokens_per_s']:,.0f} per step = {e['tokens_per_s_per_gpu']:,.0f} per GPU | | |")
+    print(
+        f"| full depth, earlier run, NOT measured here ({e['gpus']} H200) | {e['layers']} | nf4 | nf4 | "
+        f"{e['step_ms']:,} | {e['tokens_per_s']:,.0f} per step = {e['tokens_per_s_per_gpu']:,.0f} per GPU | | |"
+    )
 
-    print(f"\n### 3. Prefix pass (forward only, no_grad, from input_ids), full-depth model of "
-          f"{args.full_layers} layers\n")
-    print("| batch | tokens | layers run | ms | tokens/s per GPU | layer·tokens/s per GPU | "
-          "ms per layer per 4096 tokens | peak GiB |")
+    print(
+        f"\n### 3. Prefix pass (forward only, no_grad, from input_ids), full-depth model of "
+        f"{args.full_layers} layers\n"
+    )
+    print(
+        "| batch | tokens | layers run | ms | tokens/s per GPU | layer·tokens/s per GPU | "
+        "ms per layer per 4096 tokens | peak GiB |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in prefix_rows:
         if "ms" in r:
-            print(f"| {r['shape'][0]}×{r['shape'][1]} | {r['tokens']} | {r['layers_run']} ({r['stop']}) | {r['ms']} | "
-                  f"{r['tokens_per_s_per_gpu']:,.0f} | {r['layer_tokens_per_s_per_gpu']:,.0f} | "
-                  f"{r['ms_per_layer_per_4096_tokens']} | {fmt(r.get('peak_gib'))} |")
+            print(
+                f"| {r['shape'][0]}×{r['shape'][1]} | {r['tokens']} | {r['layers_run']} ({r['stop']}) | {r['ms']} | "
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {r['layer_tokens_per_s_per_gpu']:,.0f} | "
+                f"{r['ms_per_layer_per_4096_tokens']} | {fmt(r.get('peak_gib'))} |"
+            )
         else:
-            print(f"| {'×'.join(map(str, r.get('shape', [])))} | {r.get('tokens', '')} | {r.get('stop', '')} | "
-                  f"{r.get('error')} | | | | |")
+            print(
+                f"| {'×'.join(map(str, r.get('shape', [])))} | {r.get('tokens', '')} | {r.get('stop', '')} | "
+                f"{r.get('error')} | | | | |"
+            )
     if extrap:
         print("\nExtrapolation to R1's 60-layer prefix (3 dense + 57 MoE), tokens/s per GPU:\n")
-        print("| batch | uniform (layer·tokens/s ÷ 60) | dense layer ms | MoE layer ms | split estimate ms | "
-              "split estimate tokens/s per GPU |")
+        print(
+            "| batch | uniform (layer·tokens/s ÷ 60) | dense layer ms | MoE layer ms | split estimate ms | "
+            "split estimate tokens/s per GPU |"
+        )
         print("|---|---:|---:|---:|---:|---:|")
         for x in extrap:
-            print(f"| {x['shape'][0]}×{x['shape'][1]} | {x['r1_60_uniform_tokens_per_s_per_gpu']:,.0f} | "
-                  f"{fmt(x.get('dense_layer_ms'))} | {fmt(x.get('moe_layer_ms'))} | {fmt(x.get('r1_60_split_ms'))} | "
-                  f"{fmt(x.get('r1_60_split_tokens_per_s_per_gpu'), ',.0f')} |")
-    print(f"\nCache written per token: hidden {hidden} × 2 B (bf16) = {cache_bytes_per_token:,} B "
-          f"({cache_bytes_per_token * 1e6 / 1e9:.1f} GB per million tokens)")
+            print(
+                f"| {x['shape'][0]}×{x['shape'][1]} | {x['r1_60_uniform_tokens_per_s_per_gpu']:,.0f} | "
+                f"{fmt(x.get('dense_layer_ms'))} | {fmt(x.get('moe_layer_ms'))} | {fmt(x.get('r1_60_split_ms'))} | "
+                f"{fmt(x.get('r1_60_split_tokens_per_s_per_gpu'), ',.0f')} |"
+            )
+    print(
+        f"\nCache written per token: hidden {hidden} × 2 B (bf16) = {cache_bytes_per_token:,} B "
+        f"({cache_bytes_per_token * 1e6 / 1e9:.1f} GB per million tokens)"
+    )
 
     print("\n### Ratios\n")
-    print(f"- cached bf16 tokens/s ÷ full-depth ({args.full_layers} layers) tokens/s measured here: "
-          f"{fmt(ratios['cached_bf16_over_full_depth_here'])}×")
-    print(f"- cached nf4 tokens/s ÷ full-depth tokens/s measured here: {fmt(ratios['cached_nf4_over_full_depth_here'])}×")
-    print(f"- cached bf16 tokens/s per GPU ÷ 480 tokens/s per GPU (61 layers, 4 H200, earlier run, not measured "
-          f"here): {fmt(ratios['cached_bf16_over_earlier_61_layer_per_gpu'])}×")
+    print(
+        f"- cached bf16 tokens/s ÷ full-depth ({args.full_layers} layers) tokens/s measured here: "
+        f"{fmt(ratios['cached_bf16_over_full_depth_here'])}×"
+    )
+    print(
+        f"- cached nf4 tokens/s ÷ full-depth tokens/s measured here: "
+        f"{fmt(ratios['cached_nf4_over_full_depth_here'])}×"
+    )
+    print(
+        f"- cached bf16 tokens/s per GPU ÷ 480 tokens/s per GPU (61 layers, 4 H200, earlier run, not measured "
+        f"here): {fmt(ratios['cached_bf16_over_earlier_61_layer_per_gpu'])}×"
+    )
     verdict = "MET" if target["met"] else "NOT met"
     note = "" if target["meaningful"] else "  (not meaningful: tiny widths / CPU / S ≠ 4096)"
-    print(f"- target ≥ {TARGET_TOKENS_PER_S_PER_GPU:,} tokens/s per GPU for the cached bf16 step at S=4096: "
-          f"{fmt(tps, ',.0f')} at S={args.seq} → {verdict}{note}")
+    print(
+        f"- target ≥ {TARGET_TOKENS_PER_S_PER_GPU:,} tokens/s per GPU for the cached bf16 step at S=4096: "
+        f"{fmt(tps, ',.0f')} at S={args.seq} → {verdict}{note}"
+    )
     wall = round(time.perf_counter() - t_start, 1)
     print(f"\nwall {wall} s")
 
-    Path(args.out).write_text(json.dumps({
-        "device": name, "tiny": args.tiny, "seq": args.seq, "iters": args.iters, "warmup": args.warmup,
-        "lambda_kl": LAMBDA, "temperature": T, "kl_tokens": "all", "loss_chunk": CHUNK, "lora_r": 4,
-        "cached": cached, "full_depth": full, "prefix": prefix_rows, "prefix_r1_extrapolation": extrap,
-        "cache_bytes_per_token": cache_bytes_per_token, "earlier_61_layer": EARLIER_61,
-        "ratios": ratios, "target": target, "wall_s": wall,
-    }, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "device": name,
+                "tiny": args.tiny,
+                "seq": args.seq,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "lambda_kl": LAMBDA,
+                "temperature": T,
+                "kl_tokens": "all",
+                "loss_chunk": CHUNK,
+                "lora_r": LORA.r,
+                "cached": cached,
+                "full_depth": full,
+                "prefix": prefix_rows,
+                "prefix_r1_extrapolation": extrap,
+                "cache_bytes_per_token": cache_bytes_per_token,
+                "earlier_61_layer": EARLIER_61,
+                "ratios": ratios,
+                "target": target,
+                "wall_s": wall,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The honest baseline: the seed HARI recipe as the field ran it (NF4 + prepare_model_for_kbit_training)
 beside bench/hari_step.py's bf16 "recipe" row and the kit's fast path, at several depths.
 
-    python bench/hari_recipe_baseline.py [--layers 8 16] [--seq 4096] [--iters 5] [--out recipe_baseline.json]
-    python bench/hari_recipe_baseline.py --device cpu --tiny --layers 2 3 --out /tmp/rb.json   # CPU smoke test
+    python -m bench.hari_recipe_baseline [--layers 8 16] [--seq 4096] [--iters 5] [--out recipe_baseline.json]
+    python -m bench.hari_recipe_baseline --device cpu --tiny --layers 2 3 --out /tmp/rb.json   # CPU smoke test
 
 A random-init DeepSeek-V3-architecture model (the widths of bench/hari_step.py: hidden 2048, 64 experts
 top-6, MLA, vocab 129,280) with ``--layers`` layers is saved once per depth (bf16, ``save_pretrained``
@@ -31,7 +31,6 @@ asserts that the LoRA gradients are present and non-zero after a step. Prints a 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import statistics
@@ -40,45 +39,42 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from hari_step import LAMBDA, T, recipe_loss  # noqa: E402
+from dsr1kit.model.load import quantization_config
+from dsr1kit.train.hari import fast_loss
 
-from dsr1kit.model.load import quantization_config  # noqa: E402
-from dsr1kit.model.lora import apply_lora  # noqa: E402
-from dsr1kit.train.hari import fast_loss  # noqa: E402
+from .common import (
+    GIB,
+    LAMBDA,
+    T,
+    add_lora,
+    check_lora_grads,
+    fmt,
+    free,
+    h2048_config,
+    make_batch,
+    recipe_loss,
+    sync,
+    tiny_config,
+)
 
-GIB = 2**30
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5's gradient_checkpointing_* renames
 ROWS = ("field", "bf16", "fast")
-LABELS = {"field": "field recipe (NF4 + prepare_model_for_kbit_training)",
-          "bf16": "bf16 recipe", "fast": "kit fast path"}
-LORA = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_last_k_layers=1, lora_targets=[])
+LABELS = {
+    "field": "field recipe (NF4 + prepare_model_for_kbit_training)",
+    "bf16": "bf16 recipe",
+    "fast": "kit fast path",
+}
 
 
 def make_config(layers: int, tiny: bool):
-    from transformers import DeepseekV3Config
-
-    if tiny:  # every Linear: in_features % 64 == 0, out_features % 32 == 0 (bitsandbytes on CPU)
-        return DeepseekV3Config(
-            vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-            num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
-            q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
-            max_position_embeddings=1024, tie_word_embeddings=False, use_cache=False,
+    if tiny:  # bitsandbytes on CPU: every Linear's in % 64 == 0, out % 32 == 0
+        return tiny_config(
+            layers, 1, n_shared_experts=2, n_group=4, topk_group=2, max_position_embeddings=1024
         )
-    return DeepseekV3Config(  # bench/hari_step.py::build_model
-        vocab_size=129280, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
-        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4,
-        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=16384, tie_word_embeddings=False, use_cache=False,
-    )
+    return h2048_config(layers)  # bench/hari_step.py's model
 
 
 def save_checkpoint(config, folder: Path, device: str) -> int:
@@ -98,21 +94,9 @@ def save_checkpoint(config, folder: Path, device: str) -> int:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def bytes_by_dtype(model) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, q in model.named_parameters():
+    for q in model.parameters():
         kind = str(q.dtype).removeprefix("torch.")
         if q.__class__.__name__ == "Params4bit":
             kind = "nf4 (uint8)"
@@ -129,14 +113,6 @@ def model_gib(model, device: str) -> float:
     return sum(q.numel() * q.element_size() for q in list(model.parameters()) + list(model.buffers())) / GIB
 
 
-def make_batch(seq: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, vocab, (1, seq), generator=g).to(device)
-    labels = ids.clone()
-    labels[:, : seq // 2] = -100  # the first half is the prompt
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-
-
 def load(folder: Path, row: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -144,17 +120,6 @@ def load(folder: Path, row: str, device: str, dtype: torch.dtype):
     if row == "field":
         kwargs["quantization_config"] = quantization_config(dtype)
     return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-
-
-def add_lora(model):
-    torch.manual_seed(1)  # the same adapter in every row
-    model, plan = apply_lora(model, LORA)
-    with torch.no_grad():
-        for name, q in model.named_parameters():
-            if "lora_B" in name:
-                q.normal_(std=0.02)  # a trained-looking adapter: the KL is not zero
-    model.train()  # from_pretrained returns eval mode; gradient checkpointing acts in training mode only
-    return model, plan
 
 
 def no_cpu_repack(model) -> int:
@@ -183,16 +148,7 @@ def step(model, batch, row: str, first_layer: int, chunk: int) -> None:
     loss.backward()
 
 
-def check_lora_grads(model, row: str) -> float:
-    """The proof the step trained something: every LoRA parameter has a non-zero gradient."""
-    norms = {}
-    for name, q in model.named_parameters():
-        if q.requires_grad:
-            assert "lora_" in name, f"{row}: {name} is trainable"
-            assert q.grad is not None, f"{row}: {name} has no gradient"
-            norms[name] = float(q.grad.float().norm())
-            assert norms[name] > 0 and norms[name] == norms[name], f"{row}: {name} gradient norm {norms[name]}"
-    assert norms, f"{row}: no trainable parameters"
+def grad_norm(norms: dict[str, float]) -> float:
     return sum(v * v for v in norms.values()) ** 0.5
 
 
@@ -212,15 +168,25 @@ def run_row(folder: Path, row: str, batch, args, dtype: torch.dtype) -> dict:
     res["model_gib"] = round(model_gib(model, dev), 3)
     res["params_gib_by_dtype"] = bytes_by_dtype(model)
     if row == "field":
-        res["linear4bit_modules"] = no_cpu_repack(model) if dev == "cpu" else sum(
-            type(m).__name__ == "Linear4bit" for m in model.modules())
+        res["linear4bit_modules"] = (
+            no_cpu_repack(model)
+            if dev == "cpu"
+            else sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+        )
         model = prepare_model_for_kbit_training(model)  # the defaults, as the recipe calls it
         res["model_after_prepare_gib"] = round(model_gib(model, dev), 3)
         res["params_gib_by_dtype_after_prepare"] = bytes_by_dtype(model)
         res["gradient_checkpointing"] = bool(getattr(model, "is_gradient_checkpointing", False))
-        func = next((getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
-                     if getattr(m, "_gradient_checkpointing_func", None) is not None), None)
+        func = next(
+            (
+                getattr(m, "_gradient_checkpointing_func", None)
+                for m in model.modules()
+                if getattr(m, "_gradient_checkpointing_func", None) is not None
+            ),
+            None,
+        )
         res["checkpoint_kwargs"] = repr(getattr(func, "keywords", None))  # {} → torch's default (reentrant)
+    torch.manual_seed(1)  # the same adapter in every row
     model, plan = add_lora(model)
     res["lora_modules"] = plan.modules
     res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
@@ -230,7 +196,7 @@ def run_row(folder: Path, row: str, batch, args, dtype: torch.dtype) -> dict:
     for i in range(args.warmup):
         step(model, batch, row, first, args.chunk)
         if i == 0:
-            res["lora_grad_norm"] = check_lora_grads(model, row)
+            res["lora_grad_norm"] = grad_norm(check_lora_grads(model, row))
         model.zero_grad(set_to_none=True)
     sync(dev)
     base = torch.cuda.memory_allocated() if dev == "cuda" else 0
@@ -244,7 +210,7 @@ def run_row(folder: Path, row: str, batch, args, dtype: torch.dtype) -> dict:
         sync(dev)
         times.append(time.perf_counter() - t0)
         if len(times) == args.iters:
-            norm = check_lora_grads(model, row)
+            norm = grad_norm(check_lora_grads(model, row))
             res.setdefault("lora_grad_norm", norm)
             res["lora_grads_nonzero"] = True
         model.zero_grad(set_to_none=True)
@@ -266,8 +232,13 @@ def run_depth(layers: int, args, workdir: Path, dtype: torch.dtype) -> dict:
     folder = workdir / f"layers{layers}"
     t0 = time.perf_counter()
     n_params = save_checkpoint(config, folder, args.device)
-    out: dict = {"layers": layers, "seq": args.seq, "params": n_params,
-                 "save_s": round(time.perf_counter() - t0, 1), "rows": {}}
+    out: dict = {
+        "layers": layers,
+        "seq": args.seq,
+        "params": n_params,
+        "save_s": round(time.perf_counter() - t0, 1),
+        "rows": {},
+    }
     print(f"-- {layers} layers: {n_params / 1e9:.3f}B params, saved in {out['save_s']} s", flush=True)
     batch = make_batch(args.seq, config.vocab_size, args.device)
     for row in ROWS:
@@ -290,10 +261,6 @@ def run_depth(layers: int, args, workdir: Path, dtype: torch.dtype) -> dict:
     return out
 
 
-def fmt(v, spec=""):
-    return "—" if v is None else format(v, spec)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 16])
@@ -303,8 +270,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="the fast path's loss chunk")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke test of the script")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                    help="model/compute dtype (float32 only for a CPU smoke test)")
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="model/compute dtype (float32 only for a CPU smoke test)",
+    )
     ap.add_argument("--workdir", default=None, help="checkpoint folder (default: a new temp dir in /tmp)")
     ap.add_argument("--out", default="hari_recipe_baseline.json")
     args = ap.parse_args()
@@ -319,18 +290,36 @@ def main() -> None:
     import peft
     import transformers
 
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-                "bitsandbytes": bitsandbytes.__version__}
-    print(f"{device_name}  seq {args.seq}, batch 1, {args.iters} steps after {args.warmup} warm-up; {versions}")
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+    }
+    print(
+        f"{device_name}  seq {args.seq}, batch 1, {args.iters} steps after {args.warmup} warm-up; {versions}"
+    )
     own = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="hari_recipe_baseline_", dir="/tmp") if own else args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
 
     def write():  # after every depth, so a crash at a later depth keeps the earlier results
-        Path(args.out).write_text(json.dumps({"device": device_name, "versions": versions, "seq": args.seq,
-                                              "iters": args.iters, "warmup": args.warmup, "tiny": args.tiny,
-                                              "dtype": args.dtype, "results": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": device_name,
+                    "versions": versions,
+                    "seq": args.seq,
+                    "iters": args.iters,
+                    "warmup": args.warmup,
+                    "tiny": args.tiny,
+                    "dtype": args.dtype,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
     try:
         for layers in args.layers:
@@ -341,8 +330,10 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    print(f"| layers | row | model GiB (after prepare) | peak GiB (above model) | step ms | tokens/s "
-          f"| × vs field recipe |")
+    print(
+        "| layers | row | model GiB (after prepare) | peak GiB (above model) | step ms | tokens/s "
+        "| × vs field recipe |"
+    )
     print("|---:|:---|---:|---:|---:|---:|---:|")
     for d in results:
         for r in ROWS:
@@ -354,8 +345,10 @@ def main() -> None:
             if "model_after_prepare_gib" in x:
                 mem += f" ({x['model_after_prepare_gib']:.4g})"
             peak = "—" if x["peak_gib"] is None else f"{x['peak_gib']:.2f} ({x['peak_above_model_gib']:.2f})"
-            print(f"| {d['layers']} | {x['label']} | {mem} | {peak} | {x['step_ms']} | {x['tokens_per_s']} "
-                  f"| {fmt(x['x_vs_field'])} |")
+            print(
+                f"| {d['layers']} | {x['label']} | {mem} | {peak} | {x['step_ms']} | {x['tokens_per_s']} "
+                f"| {fmt(x['x_vs_field'])} |"
+            )
     print()
     print("| layers | fast vs field recipe × | fast vs bf16 recipe × |")
     print("|---:|---:|---:|")

@@ -1,6 +1,6 @@
 """HARI step on one GPU: the recipe vs the kit's naive (fp32 KL) vs fast path, side by side.
 
-    python bench/hari_step.py [--seq 2048 4096 8192] [--layers 8] [--out results.json]
+    python -m bench.hari_step [--seq 2048 4096 8192] [--layers 8] [--out results.json]
 
 A random-init DeepSeek-V3-architecture model (hidden 2048, 8 layers, 64
 experts top-6, MLA, vocab 129,280; ~4.5B parameters, bf16) with LoRA on the
@@ -24,64 +24,40 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dsr1kit.model.lora import apply_lora  # noqa: E402
-from dsr1kit.train.hari import fast_loss, naive_loss  # noqa: E402
+from dsr1kit.train.hari import fast_loss, naive_loss
 
-T, LAMBDA = 1.5, 0.9
+from .common import (
+    CHUNK,
+    GIB,
+    LAMBDA,
+    T,
+    add_lora,
+    h2048_config,
+    make_batch,
+    plan_on_gpu0,
+    recipe_loss,
+    sync,
+    timed,
+    training_inputs,
+)
 
 
 def build_model(layers: int):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=129280, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
-        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4,
-        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=16384, tie_word_embeddings=False, use_cache=False,
-    )
+    config = h2048_config(layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     for q in model.parameters():
         q.requires_grad_(False)
-    p = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_last_k_layers=1, lora_targets=[])
-    model, plan = apply_lora(model, p)
-    with torch.no_grad():
-        for name, q in model.named_parameters():
-            if "lora_B" in name:
-                q.normal_(std=0.02)  # a trained-looking adapter: the KL is not zero
-    model.train()
-    return model, plan
-
-
-def recipe_loss(model, batch):
-    """The field recipe: HF CE on labels + λ·T²·KL in bf16 over full logits, input grads on."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
-    with torch.no_grad(), model.disable_adapter():
-        ref = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    mask = batch["attention_mask"].bool()
-    kl = F.kl_div(F.log_softmax(out.logits / T, -1)[mask], F.log_softmax(ref / T, -1)[mask],
-                  log_target=True, reduction="batchmean")
-    del ref
-    return out.loss + LAMBDA * T * T * kl
-
-
-def make_batch(seq: int):
-    g = torch.Generator().manual_seed(seq)
-    ids = torch.randint(0, 129280, (1, seq), generator=g).cuda()
-    labels = ids.clone()
-    labels[:, : seq // 2] = -100  # the first half is the prompt
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return add_lora(model)
 
 
 def step(model, batch, impl: str, first_layer: int):
@@ -94,7 +70,7 @@ def step(model, batch, impl: str, first_layer: int):
     elif impl == "naive":
         loss = naive_loss(model, batch, LAMBDA, T).loss
     else:
-        loss = fast_loss(model, batch, LAMBDA, T, first_layer, chunk=1024).loss
+        loss = fast_loss(model, batch, LAMBDA, T, first_layer, chunk=CHUNK).loss
     loss.backward()
 
 
@@ -102,29 +78,27 @@ def phases(model, batch, first_layer, reps=3) -> dict[str, float]:
     """Median ms of each phase of the fast path and of the naive path (CUDA-synchronized)."""
     from dsr1kit.train.hari import prefix_forward, run_layers
 
-    def timed(fn):
-        out = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return round(statistics.median(out), 1)
+    def ms(fn):
+        return round(timed(fn, "cuda", 0, reps) * 1e3, 1)
 
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    res = {"prefix_no_grad": timed(lambda: prefix_forward(model, batch, first_layer))}
+    res = {"prefix_no_grad": ms(lambda: prefix_forward(model, batch, first_layer))}
     h, a, k = prefix_forward(model, batch, first_layer)
-    res["last_layer_grad"] = timed(lambda: run_layers(model, first_layer, h, a, k))
+    res["last_layer_grad"] = ms(lambda: run_layers(model, first_layer, h, a, k))
     with torch.no_grad(), model.disable_adapter():
-        res["last_layer_ref"] = timed(lambda: run_layers(model, first_layer, h, a, k))
-    res["naive_student_fwd"] = timed(lambda: model(input_ids=ids, attention_mask=attn))
+        res["last_layer_ref"] = ms(lambda: run_layers(model, first_layer, h, a, k))
+    res["naive_student_fwd"] = ms(lambda: model(input_ids=ids, attention_mask=attn))
     with torch.no_grad(), model.disable_adapter():
-        res["naive_ref_fwd"] = timed(lambda: model(input_ids=ids, attention_mask=attn))
-    res["fast_total"] = timed(lambda: (fast_loss(model, batch, LAMBDA, T, first_layer).loss.backward(),
-                                       model.zero_grad(set_to_none=True)))
-    res["naive_total"] = timed(lambda: (naive_loss(model, batch, LAMBDA, T).loss.backward(),
-                                        model.zero_grad(set_to_none=True)))
+        res["naive_ref_fwd"] = ms(lambda: model(input_ids=ids, attention_mask=attn))
+    res["fast_total"] = ms(
+        lambda: (
+            fast_loss(model, batch, LAMBDA, T, first_layer, chunk=CHUNK).loss.backward(),
+            model.zero_grad(set_to_none=True),
+        )
+    )
+    res["naive_total"] = ms(
+        lambda: (naive_loss(model, batch, LAMBDA, T).loss.backward(), model.zero_grad(set_to_none=True))
+    )
     return res
 
 
@@ -136,17 +110,17 @@ def measure(model, batch, impl, first_layer, warmup=2, iters=5):
     for _ in range(warmup):
         step(model, batch, impl, first_layer)
         model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    sync("cuda")
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         step(model, batch, impl, first_layer)
-        torch.cuda.synchronize()
+        sync("cuda")
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / GIB
 
 
 MODEL_GIB = 0.0  # allocated after the model is built (set in main): the measured peaks are above it
@@ -154,19 +128,15 @@ MODEL_GIB = 0.0  # allocated after the model is built (set in main): the measure
 
 def plan_vs_measured(model, seq: int, fast_peak_above_model_gib: float) -> dict:
     """The kit's plan of this fast step on one GPU against the measured peak (model + step)."""
-    from dsr1kit.plan import GIB, Machine, TrainingInputs, hari_plan_for_config
-
-    machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
-    inputs = TrainingInputs(model="(config)", trust_remote_code=False, dtype="bfloat16", quantization="none",
-                            quantize_experts=False, device_map="contiguous", batch_size=1, max_len=seq,
-                            loss_chunk=1024, lora_r=4, lora_last_k_layers=1, lora_targets=(),
-                            from_prefix_cache=False, cached_layers_nf4=False, prefix_tokens_per_batch=16384)
-    plan = hari_plan_for_config(model.config, machine, inputs)
+    plan = plan_on_gpu0(model.config, training_inputs(seq))
     measured = MODEL_GIB + fast_peak_above_model_gib
     planned = plan.peak_gpu_bytes / GIB
-    return {"plan_peak_gib": round(planned, 2), "measured_peak_gib": round(measured, 2),
-            "plan_over_measured": round(planned / measured, 3),
-            "plan_parts_gib": {k: round(v / GIB, 3) for k, v in plan.devices[0].parts.items()}}
+    return {
+        "plan_peak_gib": round(planned, 2),
+        "measured_peak_gib": round(measured, 2),
+        "plan_over_measured": round(planned / measured, 3),
+        "plan_parts_gib": {k: round(v / GIB, 3) for k, v in plan.devices[0].parts.items()},
+    }
 
 
 def main() -> None:
@@ -180,12 +150,14 @@ def main() -> None:
     model, plan = build_model(args.layers)
     first = min(plan.layers)
     n_params = sum(q.numel() for q in model.parameters())
-    MODEL_GIB = torch.cuda.memory_allocated() / 2**30
-    print(f"{torch.cuda.get_device_name()}  model {n_params / 1e9:.2f}B params, "
-          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB; LoRA on {plan.modules}")
+    MODEL_GIB = torch.cuda.memory_allocated() / GIB
+    print(
+        f"{torch.cuda.get_device_name()}  model {n_params / 1e9:.2f}B params, "
+        f"{torch.cuda.memory_allocated() / GIB:.1f} GiB; LoRA on {plan.modules}"
+    )
     results = []
     for seq in args.seq:
-        batch = make_batch(seq)
+        batch = make_batch(seq, 129280, "cuda")
         row = {"seq": seq}
         for impl in ("recipe", "naive", "fast"):
             t, mem = measure(model, batch, impl, first, iters=args.iters)
@@ -208,19 +180,28 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del batch
         torch.cuda.empty_cache()
-    head = f"{'S':>6} {'recipe ms':>10} {'naive ms':>9} {'fast ms':>8} {'×recipe':>8} {'×naive':>7} " \
-           f"{'recipe GiB':>10} {'naive GiB':>9} {'fast GiB':>8} {'mem×rec':>8} {'cosine':>9}"
+    head = (
+        f"{'S':>6} {'recipe ms':>10} {'naive ms':>9} {'fast ms':>8} {'×recipe':>8} {'×naive':>7} "
+        f"{'recipe GiB':>10} {'naive GiB':>9} {'fast GiB':>8} {'mem×rec':>8} {'cosine':>9}"
+    )
     print(head)
     for r in results:
-        print(f"{r['seq']:>6} {r['recipe_ms']:>10} {r['naive_ms']:>9} {r['fast_ms']:>8} "
-              f"{r['speedup_vs_recipe']:>8} {r['speedup_vs_naive']:>7} {r['recipe_peak_gib']:>10} "
-              f"{r['naive_peak_gib']:>9} {r['fast_peak_gib']:>8} {r['memory_ratio_vs_recipe']:>8} "
-              f"{r['grad_cosine']:>9.6f}")
-    print(f"{'S':>6} {'plan GiB':>9} {'measured GiB':>13} {'plan/measured':>14}   (fast step, model included)")
+        print(
+            f"{r['seq']:>6} {r['recipe_ms']:>10} {r['naive_ms']:>9} {r['fast_ms']:>8} "
+            f"{r['speedup_vs_recipe']:>8} {r['speedup_vs_naive']:>7} {r['recipe_peak_gib']:>10} "
+            f"{r['naive_peak_gib']:>9} {r['fast_peak_gib']:>8} {r['memory_ratio_vs_recipe']:>8} "
+            f"{r['grad_cosine']:>9.6f}"
+        )
+    print(
+        f"{'S':>6} {'plan GiB':>9} {'measured GiB':>13} {'plan/measured':>14}   (fast step, model included)"
+    )
     for r in results:
-        print(f"{r['seq']:>6} {r['plan_peak_gib']:>9} {r['measured_peak_gib']:>13} {r['plan_over_measured']:>14}")
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "params": n_params,
-                                          "results": results}, indent=2))
+        print(
+            f"{r['seq']:>6} {r['plan_peak_gib']:>9} {r['measured_peak_gib']:>13} {r['plan_over_measured']:>14}"
+        )
+    Path(args.out).write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "params": n_params, "results": results}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Time to train a HARI workload on R1, cached vs whole-model steps, from measured per-GPU rates.
 
-    python bench/time_to_train.py --measured docs/results/hari_cached.h200.json
-    python bench/time_to_train.py --measured hari_cached.json --tokens 53.7e6 --nodes 2 --gpus-per-node 8 --epochs 10
+    python -m bench.time_to_train --measured docs/results/hari_cached.h200.json
+    python -m bench.time_to_train --measured hari_cached.json --tokens 53.7e6 --nodes 2 --gpus-per-node 8 --epochs 10
 
-Nothing runs on a GPU here: the rates come from ``bench/hari_cached.py``'s JSON
+Nothing runs on a GPU here: the rates come from ``bench.hari_cached``'s JSON
 (one H200, R1 widths) and the whole-model step from the 61-layer run on 4 H200s
 recorded there. Every line of arithmetic is printed, so the table can be
 checked by hand and redone for another data plan (``--tokens``: the tokens per
@@ -38,8 +38,12 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--read-gbps", type=float, default=2.0, help="GB/s per node the cache's disk gives (a row "
-                                                                   "where the epoch waits for the disk)")
+    ap.add_argument(
+        "--read-gbps",
+        type=float,
+        default=2.0,
+        help="GB/s per node the cache's disk gives (a row where the epoch waits for the disk)",
+    )
     ap.add_argument("--prefix-shape", default="4x4096", help="prefix-pass batch whose rate is used")
     args = ap.parse_args()
 
@@ -52,46 +56,65 @@ def main() -> None:
     pre = next(r for r in m["prefix_r1_extrapolation"] if r["shape"] == shape)
     bpt = m["cache_bytes_per_token"]
 
-    print(f"measured on {m['device']}: cached step {cached['step_ms']} ms per {cached['seq']} tokens "
-          f"({cached['tokens_per_s']:,.0f} tokens/s per GPU, peak {cached['peak_gib']} GiB); whole-model step "
-          f"{whole['step_ms']} ms per {whole['seq']} tokens on {whole['gpus']} GPUs ({whole['tokens_per_s']:,.0f} "
-          f"tokens/s per node); 60-layer prefix {pre['r1_60_split_ms']} ms per {pre['tokens']} tokens on one GPU "
-          f"(3 dense × {pre['dense_layer_ms']} ms + 57 MoE × {pre['moe_layer_ms']} ms)\n")
+    print(
+        f"measured on {m['device']}: cached step {cached['step_ms']} ms per {cached['seq']} tokens "
+        f"({cached['tokens_per_s']:,.0f} tokens/s per GPU, peak {cached['peak_gib']} GiB); whole-model step "
+        f"{whole['step_ms']} ms per {whole['seq']} tokens on {whole['gpus']} GPUs ({whole['tokens_per_s']:,.0f} "
+        f"tokens/s per node); 60-layer prefix {pre['r1_60_split_ms']} ms per {pre['tokens']} tokens on one GPU "
+        f"(3 dense × {pre['dense_layer_ms']} ms + 57 MoE × {pre['moe_layer_ms']} ms)\n"
+    )
 
     lines = []
     whole_rate = nodes * whole["tokens_per_s"]
     whole_epoch = tokens / whole_rate
-    lines.append(f"whole model: {nodes} nodes × {whole['tokens_per_s']:,.0f} tokens/s = {whole_rate:,.0f} tokens/s; "
-                 f"epoch = {tokens:,.0f} / {whole_rate:,.0f} = {whole_epoch:,.0f} s")
+    lines.append(
+        f"whole model: {nodes} nodes × {whole['tokens_per_s']:,.0f} tokens/s = {whole_rate:,.0f} tokens/s; "
+        f"epoch = {tokens:,.0f} / {whole_rate:,.0f} = {whole_epoch:,.0f} s"
+    )
     prefix_gpu = pre["r1_60_split_tokens_per_s_per_gpu"]
     ideal_rate, serial_rate = gpus * prefix_gpu, nodes * prefix_gpu
     ideal, serial = tokens / ideal_rate, tokens / serial_rate
-    lines.append(f"prefix pass, wavefront ideal: {gpus} GPUs × {prefix_gpu:,.0f} tokens/s = {ideal_rate:,.0f} tokens/s; "
-                 f"{tokens:,.0f} / {ideal_rate:,.0f} = {ideal:,.0f} s")
-    lines.append(f"prefix pass, one GPU at a time per node: {nodes} × {prefix_gpu:,.0f} = {serial_rate:,.0f} tokens/s; "
-                 f"{tokens:,.0f} / {serial_rate:,.0f} = {serial:,.0f} s")
+    lines.append(
+        f"prefix pass, wavefront ideal: {gpus} GPUs × {prefix_gpu:,.0f} tokens/s = {ideal_rate:,.0f} "
+        f"tokens/s; {tokens:,.0f} / {ideal_rate:,.0f} = {ideal:,.0f} s"
+    )
+    lines.append(
+        f"prefix pass, one GPU at a time per node: {nodes} × {prefix_gpu:,.0f} = {serial_rate:,.0f} tokens/s; "
+        f"{tokens:,.0f} / {serial_rate:,.0f} = {serial:,.0f} s"
+    )
     train_rate = gpus * cached["tokens_per_s"]
     train_epoch = tokens / train_rate
-    lines.append(f"cached training: {gpus} GPUs × {cached['tokens_per_s']:,.0f} tokens/s = {train_rate:,.0f} tokens/s; "
-                 f"epoch = {tokens:,.0f} / {train_rate:,.0f} = {train_epoch:,.0f} s")
+    lines.append(
+        f"cached training: {gpus} GPUs × {cached['tokens_per_s']:,.0f} tokens/s = {train_rate:,.0f} tokens/s; "
+        f"epoch = {tokens:,.0f} / {train_rate:,.0f} = {train_epoch:,.0f} s"
+    )
     size = tokens * bpt
     read = cached["tokens_per_s"] * bpt * gpn
-    lines.append(f"cache: {tokens:,.0f} tokens × {bpt:,} B = {size / 1e9:,.0f} GB; read at {gpn} × "
-                 f"{cached['tokens_per_s']:,.0f} × {bpt:,} B = {read / 1e9:.1f} GB/s per node to keep the GPUs busy")
+    lines.append(
+        f"cache: {tokens:,.0f} tokens × {bpt:,} B = {size / 1e9:,.0f} GB; read at {gpn} × "
+        f"{cached['tokens_per_s']:,.0f} × {bpt:,} B = {read / 1e9:.1f} GB/s per node to keep the GPUs busy"
+    )
     disk_epoch = max(train_epoch, size / nodes / (args.read_gbps * 1e9))
-    lines.append(f"cached epoch on a disk of {args.read_gbps} GB/s per node: max({train_epoch:,.0f} s, "
-                 f"{size / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = {disk_epoch:,.0f} s")
+    lines.append(
+        f"cached epoch on a disk of {args.read_gbps} GB/s per node: max({train_epoch:,.0f} s, "
+        f"{size / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = {disk_epoch:,.0f} s"
+    )
     for line in lines:
         print("  " + line)
 
     print(f"\n| path | epoch 1 | each further epoch | {epochs} epochs | × vs whole model ({epochs} epochs) |")
     print("|---|---:|---:|---:|---:|")
     total_whole = epochs * whole_epoch
-    rows = [("whole model (today)", whole_epoch, whole_epoch),
-            ("prefix cache, wavefront ideal", ideal + train_epoch, train_epoch),
-            ("prefix cache, no overlap in the pass", serial + train_epoch, train_epoch),
-            (f"prefix cache, wavefront ideal, cache read at {args.read_gbps} GB/s per node", ideal + disk_epoch,
-             disk_epoch)]
+    rows = [
+        ("whole model (today)", whole_epoch, whole_epoch),
+        ("prefix cache, wavefront ideal", ideal + train_epoch, train_epoch),
+        ("prefix cache, no overlap in the pass", serial + train_epoch, train_epoch),
+        (
+            f"prefix cache, wavefront ideal, cache read at {args.read_gbps} GB/s per node",
+            ideal + disk_epoch,
+            disk_epoch,
+        ),
+    ]
     for name, first, further in rows:
         total = first + (epochs - 1) * further
         print(f"| {name} | {hours(first)} | {hours(further)} | {hours(total)} | {total_whole / total:.1f}× |")

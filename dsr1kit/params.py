@@ -19,7 +19,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # A name part such as hf_token, HF_TOKEN, --api-key, secret_key (not max_new_tokens, not --tokenizer).
-SECRET_NAME = re.compile(r"(?:^|[_\-.])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[_\-.])", re.I)
+SECRET_NAME = re.compile(
+    r"(?:^|[_\-.])(token|secret|password|passwd|api[_-]?key|credentials?)(?:$|[_\-.])", re.I
+)
 SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{20,})$")
 # Keys that contain a secret-ish word but hold no secret.
 NOT_SECRET = {"max_new_tokens", "max_num_batched_tokens", "kl_tokens"}
@@ -52,8 +54,12 @@ class NotebookParams(BaseModel):
     def validate_dict(cls, values: dict[str, Any]) -> "NotebookParams":
         """Validate a flat dict; raise ParamsError listing all problems."""
         name = cls.model_fields["notebook"].default
-        problems = [f"key {k!r} ({type(k).__name__}) is not a parameter name: keys are words such as 'lr'; "
-                    f"quote it in YAML if it is one" for k in values if not isinstance(k, str)]
+        problems = [
+            f"key {k!r} ({type(k).__name__}) is not a parameter name: keys are words such as 'lr'; "
+            f"quote it in YAML if it is one"
+            for k in values
+            if not isinstance(k, str)
+        ]
         values = {k: v for k, v in values.items() if isinstance(k, str)}
         problems += _secret_problems(values)
         clean = {k: v for k, v in values.items() if not _looks_secret(k, v)}
@@ -116,7 +122,9 @@ def _secret_problems(values: dict[str, Any]) -> list[str]:
             leaf = where.rsplit(".", 1)[-1]
             if "." in where and _secret_name(leaf):
                 env = leaf  # server_env: {VLLM_API_KEY: …} → export VLLM_API_KEY
-            what = f"'{where}'" if SECRET_NAME.search(where) and "[" not in where else f"the value of '{where}'"
+            what = (
+                f"'{where}'" if SECRET_NAME.search(where) and "[" not in where else f"the value of '{where}'"
+            )
             out.append(
                 f"{what} looks like a secret: secrets are never parameters (they would be written into the "
                 f"report and params.yaml); remove it and export it in the environment instead, e.g. "
@@ -140,7 +148,9 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
 
 def _type_name(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
-    return name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
+    return (
+        name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -163,68 +173,115 @@ class ClusterCheckParams(NotebookParams):
     scratch_dir: str = Field("", description="Node-local scratch (NVMe); '': $NVME_DIR, $TMPDIR or /tmp")
     scratch_min_free_gib: float = Field(1.0, ge=0, description="Scratch free space below this warns, GiB")
     allreduce_sizes_mib: list[float] = Field([1.0, 4.0], description="All-reduce message sizes, MiB")
-    allreduce_timeout_s: float = Field(120.0, gt=0, description="Ranks that have not joined by then are reported missing")
+    allreduce_timeout_s: float = Field(
+        120.0, gt=0, description="Ranks that have not joined by then are reported missing"
+    )
     local_ranks: int = Field(2, ge=1, description="Processes for the all-reduce when run outside Slurm")
-    expected_busbw_gbps: float = Field(0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0: no target")
+    expected_busbw_gbps: float = Field(
+        0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0: no target"
+    )
     ray_address: str = Field("", description="Ray head to inspect (host:port); '': no Ray check")
     ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0: not checked")
-    rank_results_dir: str = Field("", description="Folder of the per-rank rows written by srun; "
-                                  "'': run `local_ranks` processes here")
+    rank_results_dir: str = Field(
+        "", description="Folder of the per-rank rows written by srun; '': run `local_ranks` processes here"
+    )
     plan_files: list[str] = Field(
-        ["params/tiny/10_vllm_inference.yaml", "params/tiny/20_hari_training.yaml",
-         "params/tiny/30_adapter_inspection.yaml"],
+        [
+            "params/tiny/10_vllm_inference.yaml",
+            "params/tiny/20_hari_training.yaml",
+            "params/tiny/30_adapter_inspection.yaml",
+        ],
         description="Params files of the steps to come ('A.yaml' or layered 'A.yaml+B.yaml'), "
-                    "each memory-planned against this node")
+        "each memory-planned against this node",
+    )
 
 
 class InferenceParams(NotebookParams):
     notebook: str = Field("10_vllm_inference", exclude=True, repr=False)
-    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model",
-                       json_schema_extra=section("model and server"))
+    model: str = Field(
+        "tiny",
+        description="HF repo, local dir, or 'tiny' for the embedded model",
+        json_schema_extra=section("model and server"),
+    )
     served_model_name: str = Field("model", description="Name the server answers to")
     host: str = Field("127.0.0.1", description="Address the server binds to and the client calls")
     port: int = Field(0, ge=0, le=65535, description="Server port; 0: a free one")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (all GPUs of all nodes on R1)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs per model replica (all GPUs of all nodes on R1)"
+    )
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (usually 1: TP across nodes)")
     data_parallel_size: int = Field(1, ge=1, description="Model replicas")
-    enable_expert_parallel: bool = Field(False, description="Spread MoE experts over the GPUs instead of slicing them")
+    enable_expert_parallel: bool = Field(
+        False, description="Spread MoE experts over the GPUs instead of slicing them"
+    )
     distributed_executor_backend: Literal["mp", "ray", "uni"] = Field(
-        "mp", description="ray across nodes (the sbatch brings Ray up); mp on one node and on CPU")
-    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="Start at 0.90, raise once stable; "
-                                          "on CPU the share of host memory claimed at start")
-    max_num_seqs: int = Field(16, ge=1, description="Sequences per engine step; raise step by step once stable")
+        "mp", description="ray across nodes (the sbatch brings Ray up); mp on one node and on CPU"
+    )
+    gpu_memory_utilization: float = Field(
+        0.90,
+        gt=0,
+        le=1,
+        description="Start at 0.90, raise once stable; on CPU the share of host memory claimed at start",
+    )
+    max_num_seqs: int = Field(
+        16, ge=1, description="Sequences per engine step; raise step by step once stable"
+    )
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step; raise once stable")
-    max_model_len: int = Field(512, ge=16, description="Context; prompts longer than this minus max_new_tokens "
-                                                       "are excluded and counted")
+    max_model_len: int = Field(
+        512,
+        ge=16,
+        description="Context; prompts longer than this minus max_new_tokens are excluded and counted",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Weights dtype; auto: the checkpoint's (R1: FP8)")
+        "bfloat16", description="Weights dtype; auto: the checkpoint's (R1: FP8)"
+    )
     enforce_eager: bool = Field(True, description="Skip graph capture/compile: faster start, slower decode")
     extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
-    server_env: dict[str, str] = Field({"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                       description="Extra environment for the server (here: GiB of KV cache on CPU)")
-    ready_timeout_s: float = Field(300.0, gt=0, description="Wait this long for /health and a first completion, s")
-    lora_adapter: str = Field("latest", description="Adapter folder to compare with the base; 'latest': newest "
-                                                    "HARI run's adapter beside this run; '': base only",
-                              json_schema_extra=section("adapter"))
+    server_env: dict[str, str] = Field(
+        {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        description="Extra environment for the server (here: GiB of KV cache on CPU)",
+    )
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="Wait this long for /health and a first completion, s"
+    )
+    lora_adapter: str = Field(
+        "latest",
+        description="Adapter folder to compare with the base; 'latest': newest "
+        "HARI run's adapter beside this run; '': base only",
+        json_schema_extra=section("adapter"),
+    )
     lora_name: str = Field("adapter", description="Name the adapter is served under")
     max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank; must be at least the adapter's r")
     adapter_mode: Literal["lora", "merge"] = Field(
-        "merge", description="lora: --enable-lora + parity check; merge: serve a merged copy of the base "
-                             "(MoE on CPU, or an adapter vLLM ignores)")
+        "merge",
+        description="lora: --enable-lora + parity check; merge: serve a merged copy of the base "
+        "(MoE on CPU, or an adapter vLLM ignores)",
+    )
     merge_if_ignored: bool = Field(True, description="Parity not 'applied' -> evaluate a merged copy instead")
     parity_prompts: int = Field(3, ge=1, description="Prompts compared token by token, PEFT vs vLLM")
-    parity_tol: float = Field(0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)")
-    eval_dataset: str = Field("data/eval_tiny.jsonl", description="Evaluation set (local jsonl or hub name); several, "
-                              "comma-separated, are scored together and kept apart by category",
-                              json_schema_extra=section("evaluation"))
+    parity_tol: float = Field(
+        0.1, gt=0, description="Mean |logprob difference| accepted as equal (bf16 noise)"
+    )
+    eval_dataset: str = Field(
+        "data/eval_tiny.jsonl",
+        description="Evaluation set (local jsonl or hub name); several, "
+        "comma-separated, are scored together and kept apart by category",
+        json_schema_extra=section("evaluation"),
+    )
     eval_limit: int = Field(0, ge=0, description="Evaluate at most this many examples of each set; 0: all")
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_new_tokens: int = Field(48, ge=1, description="Generated tokens per answer")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0: greedy")
-    concurrency: int = Field(0, ge=0, description="Requests in flight; 0: 2 x max_num_seqs x data_parallel_size, "
-                                                  "so the engine's batch stays full")
+    concurrency: int = Field(
+        0,
+        ge=0,
+        description="Requests in flight; 0: 2 x max_num_seqs x data_parallel_size, "
+        "so the engine's batch stays full",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request timeout, s")
-    retries: int = Field(3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)")
+    retries: int = Field(
+        3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)"
+    )
 
     @property
     def client_concurrency(self) -> int:
@@ -235,33 +292,57 @@ class InferenceParams(NotebookParams):
 
 class HariParams(NotebookParams):
     notebook: str = Field("20_hari_training", exclude=True, repr=False)
-    model: str = Field("tiny", description="HF repo, local dir, or 'tiny' for the embedded model",
-                       json_schema_extra=section("model and data"))
-    dataset: str = Field("data/sft_tiny.jsonl", description="Dataset plan: repo[:limit][@split+split],… or JSON list")
-    sample_limit: int = Field(320, ge=0, description="Global cap on samples; 0: all (tiny: rows 320-359 stay "
-                                                     "held out for notebook 30's probes)")
+    model: str = Field(
+        "tiny",
+        description="HF repo, local dir, or 'tiny' for the embedded model",
+        json_schema_extra=section("model and data"),
+    )
+    dataset: str = Field(
+        "data/sft_tiny.jsonl", description="Dataset plan: repo[:limit][@split+split],… or JSON list"
+    )
+    sample_limit: int = Field(
+        320,
+        ge=0,
+        description="Global cap on samples; 0: all (tiny: rows 320-359 stay "
+        "held out for notebook 30's probes)",
+    )
     splits: list[str] = Field(["train", "validation", "test"], description="Default splits per source")
-    system_prompt: str = Field("You are DeepSeek-R1.", description="System prompt of every training chat "
-                                                                   "(the same one evaluation uses)")
+    system_prompt: str = Field(
+        "You are DeepSeek-R1.",
+        description="System prompt of every training chat (the same one evaluation uses)",
+    )
     max_len: int = Field(256, ge=16, description="Tokens per sample; longer ones are truncated and counted")
-    quantization: Literal["nf4", "none"] = Field("none", description="nf4: QLoRA (double quant, bf16 compute); "
-                                                                     "none: the plain model")
+    quantization: Literal["nf4", "none"] = Field(
+        "none", description="nf4: QLoRA (double quant, bf16 compute); none: the plain model"
+    )
     quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts (needed for R1)")
-    dtype: Literal["bfloat16", "float32"] = Field("float32", description="Compute dtype; on CPU fp32 is faster "
-                                                                         "than emulated bf16")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "float32", description="Compute dtype; on CPU fp32 is faster than emulated bf16"
+    )
     device_map: Literal["contiguous", "round_robin", "cpu"] = Field(
-        "cpu", description="Layer placement: contiguous blocks per GPU, round_robin (layer i on GPU i % n), or cpu")
-    max_memory_gib_per_gpu: float = Field(78.0, gt=0, description="GiB per GPU the placement may fill "
-                                                                  "(78 on 80 GB GPUs)")
+        "cpu",
+        description="Layer placement: contiguous blocks per GPU, round_robin (layer i on GPU i % n), or cpu",
+    )
+    max_memory_gib_per_gpu: float = Field(
+        78.0, gt=0, description="GiB per GPU the placement may fill (78 on 80 GB GPUs)"
+    )
     cpu_max_memory_gib: float = Field(300.0, gt=0, description="GiB of host memory the placement may fill")
     offload_dir: str = Field("", description="Per-rank offload folder root (node-local NVMe); '': none")
     lora_r: int = Field(4, ge=1, description="LoRA rank", json_schema_extra=section("LoRA"))
-    lora_alpha: float = Field(8.0, gt=0, description="LoRA scale numerator (the update is scaled by alpha / r)")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input; 0 keeps the fast path exact")
+    lora_alpha: float = Field(
+        8.0, gt=0, description="LoRA scale numerator (the update is scaled by alpha / r)"
+    )
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the LoRA input; 0 keeps the fast path exact"
+    )
     lora_targets: list[str] = Field([], description="Module names; []: auto-detect the attention projections")
     lora_last_k_layers: int = Field(1, ge=1, description="Adapt the last K decoder layers")
-    lr: float = Field(0.01, gt=0, description="Peak learning rate (R1: 5e-5; a 3.7M model needs a bigger step)",
-                      json_schema_extra=section("optimisation"))
+    lr: float = Field(
+        0.01,
+        gt=0,
+        description="Peak learning rate (R1: 5e-5; a 3.7M model needs a bigger step)",
+        json_schema_extra=section("optimisation"),
+    )
     batch_size: int = Field(4, ge=1, description="Samples per micro-batch, per rank")
     grad_accum: int = Field(2, ge=1, description="Micro-batches per optimizer step")
     epochs: int = Field(1, ge=1, description="Passes over the data")
@@ -270,28 +351,48 @@ class HariParams(NotebookParams):
     clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip")
     log_every: int = Field(3, ge=1, description="Optimizer steps between metric lines")
     save_every: int = Field(15, ge=1, description="Optimizer steps between checkpoints (and on SIGUSR1)")
-    lambda_kl: float = Field(0.1, ge=0, description="Weight of the KL term; 0 disables it; 0.05-0.2 is the "
-                                                    "stable start", json_schema_extra=section("HARI"))
-    kl_temperature: float = Field(1.5, gt=0, description="Softmax temperature T of the KL term (scaled by T²)")
+    lambda_kl: float = Field(
+        0.1,
+        ge=0,
+        description="Weight of the KL term; 0 disables it; 0.05-0.2 is the stable start",
+        json_schema_extra=section("HARI"),
+    )
+    kl_temperature: float = Field(
+        1.5, gt=0, description="Softmax temperature T of the KL term (scaled by T²)"
+    )
     kl_tokens: Literal["all", "assistant"] = Field("all", description="Tokens the KL term covers")
-    hari_impl: Literal["fast", "naive"] = Field("fast", description="fast: one base pass with the adapter "
-                                                "disabled from the first adapted layer; naive: two full passes")
+    hari_impl: Literal["fast", "naive"] = Field(
+        "fast",
+        description="fast: one base pass with the adapter "
+        "disabled from the first adapted layer; naive: two full passes",
+    )
     loss_chunk: int = Field(128, ge=1, description="Tokens per chunk of the lm_head/CE/KL pass")
-    grad_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower")
-    trust_remote_code: bool = Field(False, description="Run the checkpoint's own modeling code (R1: not needed)")
+    grad_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: less memory, slower"
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run the checkpoint's own modeling code (R1: not needed)"
+    )
     resume: bool = Field(True, description="Resume from the run folder's checkpoint when present")
-    prefix_cache: str = Field("off", description="off; auto; or a folder. The hidden states entering the first "
-                              "adapted layer, computed once and reused by every step and epoch (auto: reuse or "
-                              "build one per fingerprint under the kit's cache)",
-                              json_schema_extra=section("prefix cache"))
-    prefix_tokens_per_batch: int = Field(2048, ge=1, description="Padded tokens per micro-batch of the prefix "
-                                                                 "pass (samples sorted by length)")
-    prefix_shard_mib: float = Field(4.0, gt=0, description="MiB per cache shard; a killed pass redoes only "
-                                                           "unfinished shards (R1: 2048)")
-    prefix_pipeline: bool = Field(True, description="Prefix pass as a wavefront over the node's GPUs (GPU k "
-                                                    "on micro-batch t-k)")
-    cached_layers_nf4: bool = Field(False, description="From the cache, load the adapted layers in NF4 (else "
-                                                       "in dtype; bf16 on GPUs)")
+    prefix_cache: str = Field(
+        "off",
+        description="off; auto; or a folder. The hidden states entering the first "
+        "adapted layer, computed once and reused by every step and epoch (auto: reuse or "
+        "build one per fingerprint under the kit's cache)",
+        json_schema_extra=section("prefix cache"),
+    )
+    prefix_tokens_per_batch: int = Field(
+        2048, ge=1, description="Padded tokens per micro-batch of the prefix pass (samples sorted by length)"
+    )
+    prefix_shard_mib: float = Field(
+        4.0, gt=0, description="MiB per cache shard; a killed pass redoes only unfinished shards (R1: 2048)"
+    )
+    prefix_pipeline: bool = Field(
+        True, description="Prefix pass as a wavefront over the node's GPUs (GPU k on micro-batch t-k)"
+    )
+    cached_layers_nf4: bool = Field(
+        False, description="From the cache, load the adapted layers in NF4 (else in dtype; bf16 on GPUs)"
+    )
 
     @field_validator("prefix_cache")
     @classmethod
@@ -303,28 +404,35 @@ class HariParams(NotebookParams):
     @model_validator(mode="after")
     def _prefix_cache_needs_fast_path(self):
         if self.prefix_cache != "off" and self.hari_impl != "fast":
-            raise ValueError(f"prefix_cache {self.prefix_cache!r} needs hari_impl 'fast' (the naive path runs the "
-                             f"whole model on every step); set hari_impl: fast or prefix_cache: off")
+            raise ValueError(
+                f"prefix_cache {self.prefix_cache!r} needs hari_impl 'fast' (the naive path runs the "
+                f"whole model on every step); set hari_impl: fast or prefix_cache: off"
+            )
         return self
 
 
 class InspectParams(NotebookParams):
     notebook: str = Field("30_adapter_inspection", exclude=True, repr=False)
-    adapter_dir: str = Field("latest", description="PEFT adapter folder; 'latest': newest HARI run's adapter "
-                                                   "under runs/")
+    adapter_dir: str = Field(
+        "latest", description="PEFT adapter folder; 'latest': newest HARI run's adapter under runs/"
+    )
     base_model: str = Field("", description="Base model; '': the adapter's base_model_name_or_path")
     quantization: Literal["nf4", "none"] = Field("none", description="nf4: load the base as notebook 20 does")
-    quantize_experts: bool = Field(False, description="Also NF4 the fused MoE experts, as notebook 20 loads R1")
-    probe_dataset: str = Field("data/sft_tiny.jsonl", description="The training data: its trained and "
-                                                                  "held-out rows are probed")
+    quantize_experts: bool = Field(
+        False, description="Also NF4 the fused MoE experts, as notebook 20 loads R1"
+    )
+    probe_dataset: str = Field(
+        "data/sft_tiny.jsonl", description="The training data: its trained and held-out rows are probed"
+    )
     retain_dataset: str = Field("data/retain_tiny.jsonl", description="Text unrelated to training")
     n_probe: int = Field(32, ge=1, description="Rows per probe set")
     n_generate: int = Field(3, ge=0, description="Greedy answers shown side by side")
     max_new_tokens: int = Field(48, ge=1, description="Tokens per greedy answer")
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_len: int = Field(256, ge=16, description="Tokens per probe row")
-    merge_out: str = Field("merged", description="Merged checkpoint folder, relative to the run folder; "
-                                                 "'': no merge")
+    merge_out: str = Field(
+        "merged", description="Merged checkpoint folder, relative to the run folder; '': no merge"
+    )
 
     @field_validator("adapter_dir")
     @classmethod
@@ -339,21 +447,30 @@ SET_BY_SWEEP = ("run_dir", "model", "dataset", "lambda_kl", "seed", "system_prom
 
 class SweepParams(NotebookParams):
     notebook: str = Field("40_forgetting_sweep", exclude=True, repr=False)
-    model: str = Field("tiny", description="Base model of every run (HF repo, local dir, or 'tiny')",
-                       json_schema_extra=section("tasks"))
+    model: str = Field(
+        "tiny",
+        description="Base model of every run (HF repo, local dir, or 'tiny')",
+        json_schema_extra=section("tasks"),
+    )
     task_b_train: str = Field("data/task_b_train.jsonl", description="Training data: the new task B")
     task_b_eval: str = Field("data/task_b_eval.jsonl", description="Held-out rows of task B")
-    task_a_eval: str = Field("data/task_a_eval.jsonl", description="Held-out rows of the old task A (what "
-                                                                   "should not be forgotten)")
+    task_a_eval: str = Field(
+        "data/task_a_eval.jsonl", description="Held-out rows of the old task A (what should not be forgotten)"
+    )
     eval_limit: int = Field(200, ge=1, description="Rows per evaluation set")
     system_prompt: str = Field("You are DeepSeek-R1.", description="System prompt of training and evaluation")
     max_len: int = Field(256, ge=16, description="Tokens per sample, in training and evaluation")
-    lambdas: list[float] = Field([0.0, 0.05, 0.2, 0.9, 2.0], description="KL weights swept (0: plain SFT)",
-                                 json_schema_extra=section("sweep"))
+    lambdas: list[float] = Field(
+        [0.0, 0.05, 0.2, 0.9, 2.0],
+        description="KL weights swept (0: plain SFT)",
+        json_schema_extra=section("sweep"),
+    )
     seeds: list[int] = Field([0, 1, 2], description="Seeds per KL weight (data order and LoRA init)")
-    hari: dict[str, Any] = Field({"epochs": 3, "lora_last_k_layers": 3, "lr": 0.02},
-                                 description="Notebook 20 parameters for every run (not those the sweep sets: "
-                                 "run_dir model dataset lambda_kl seed system_prompt max_len)")
+    hari: dict[str, Any] = Field(
+        {"epochs": 3, "lora_last_k_layers": 3, "lr": 0.02},
+        description="Notebook 20 parameters for every run (not those the sweep sets: "
+        "run_dir model dataset lambda_kl seed system_prompt max_len)",
+    )
     kl_span: Literal["answer", "all"] = Field("answer", description="Tokens KL(base||adapted) is measured on")
 
     @field_validator("lambdas", "seeds")
@@ -373,7 +490,9 @@ class SweepParams(NotebookParams):
         if bad:
             raise ValueError(f"{bad} are set by the sweep itself; remove them from hari")
         if unknown:
-            raise ValueError(f"unknown notebook 20 parameter(s) {unknown}; valid: {', '.join(HariParams.keys())}")
+            raise ValueError(
+                f"unknown notebook 20 parameter(s) {unknown}; valid: {', '.join(HariParams.keys())}"
+            )
         HariParams(**value)  # each value must be valid for notebook 20
         return value
 
@@ -417,13 +536,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ParamsError(path.name, [f"{path}:{where}: not valid YAML ({problem}); each line is `key: value`"]) from None
+        raise ParamsError(
+            path.name, [f"{path}:{where}: not valid YAML ({problem}); each line is `key: value`"]
+        ) from None
     if not isinstance(data, dict):
         raise ParamsError(path.name, [f"{path} must hold a mapping of key: value, got {type(data).__name__}"])
     return data
 
 
-def load(notebook: str | Path, files: list[str | Path] = (), overrides: dict[str, Any] | None = None) -> NotebookParams:
+def load(
+    notebook: str | Path, files: list[str | Path] = (), overrides: dict[str, Any] | None = None
+) -> NotebookParams:
     """Merge YAML files (later wins) and overrides, then validate for `notebook`."""
     values: dict[str, Any] = {}
     for f in files:

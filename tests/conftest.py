@@ -26,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
     """GPU tests skip without CUDA, so CI (no GPU) stays green and fast."""
     try:
         import torch
+
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
@@ -47,8 +48,14 @@ def tiny_dir() -> Path:
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """`dsr1kit ARGS` in a subprocess, from the project root."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "dsr1kit.cli", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dsr1kit.cli", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ from dsr1kit.data.labels import collate, encode_rows
 from dsr1kit.data.plan import load_rows
 from dsr1kit.model.load import load_model
 from dsr1kit.model.lora import apply_lora
+from dsr1kit.steps.hari_training import load_config, lora_config
 
 
 def adapted_model_and_batch(p, n_rows: int, max_len: int):
     """(model in train mode, LoRA plan, batch on the model's input device) for HariParams ``p``."""
-    loaded = load_model(p)
+    loaded = load_model(load_config(p))
     torch.manual_seed(0)
-    model, plan = apply_lora(loaded.model, p)
+    model, plan = apply_lora(loaded.model, lora_config(p))
     with torch.no_grad():  # a non-zero adapter, so student and reference really differ
         for name, q in model.named_parameters():
             if "lora_B" in name:

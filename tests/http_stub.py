@@ -38,12 +38,19 @@ class Handler(BaseHTTPRequestHandler):
         with open(LOG, "a") as f:
             f.write(json.dumps(req["prompt"]) + "\n")
         if MODE == "probe-404":
-            self._send(404, {"error": {"message": f"The model `{req['model']}` does not exist.", "code": 404}})
+            self._send(
+                404, {"error": {"message": f"The model `{req['model']}` does not exist.", "code": 404}}
+            )
         elif MODE == "refuse-BAD" and "BAD" in req["prompt"]:
             self._send(400, {"error": {"message": "max_tokens is too large", "code": 400}})
         else:
-            self._send(200, {"choices": [{"text": f"answer to {req['prompt']}", "finish_reason": "stop"}],
-                             "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+            self._send(
+                200,
+                {
+                    "choices": [{"text": f"answer to {req['prompt']}", "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+                },
+            )
 
 
 ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

@@ -8,9 +8,19 @@ import psutil
 
 from dsr1kit.params import InferenceParams
 
-CPU_SERVER = dict(enforce_eager=True, dtype="bfloat16", max_model_len=512, max_num_seqs=16,
-                  max_num_batched_tokens=2048, server_env={"VLLM_CPU_KVCACHE_SPACE": "1"}, ready_timeout_s=240,
-                  max_new_tokens=16, concurrency=8, retries=2, max_lora_rank=8)
+CPU_SERVER = dict(
+    enforce_eager=True,
+    dtype="bfloat16",
+    max_model_len=512,
+    max_num_seqs=16,
+    max_num_batched_tokens=2048,
+    server_env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    ready_timeout_s=240,
+    max_new_tokens=16,
+    concurrency=8,
+    retries=2,
+    max_lora_rank=8,
+)
 
 
 def cpu_params(**overrides) -> InferenceParams:

@@ -17,6 +17,7 @@ HELPER = PROJECT_ROOT / "slurm" / "ray_cluster.sh"
 @dataclass
 class RayNode:
     """One node this process started; `proc` is the blocking worker process (None for a head)."""
+
     ip: str
     temp_dir: Path
     address: str
@@ -34,20 +35,45 @@ def _helper_env(agent_port: int | None, object_store_bytes: int | None) -> dict[
     return env
 
 
-def start_head(ip: str, port: int, temp_dir: str | Path, *extra: str, agent_port: int | None = None,
-               object_store_bytes: int | None = None, timeout: float = 120) -> RayNode:
+def start_head(
+    ip: str,
+    port: int,
+    temp_dir: str | Path,
+    *extra: str,
+    agent_port: int | None = None,
+    object_store_bytes: int | None = None,
+    timeout: float = 120,
+) -> RayNode:
     """`ray start --head` with an explicit IP; returns when the head is up."""
-    proc = subprocess.run([str(HELPER), "head", ip, str(port), str(temp_dir), *extra], capture_output=True,
-                          text=True, env=_helper_env(agent_port, object_store_bytes), timeout=timeout)
+    proc = subprocess.run(
+        [str(HELPER), "head", ip, str(port), str(temp_dir), *extra],
+        capture_output=True,
+        text=True,
+        env=_helper_env(agent_port, object_store_bytes),
+        timeout=timeout,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"ray head on {ip}:{port} did not start:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"ray head on {ip}:{port} did not start:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        )
     return RayNode(ip, Path(temp_dir), f"{ip}:{port}")
 
 
-def start_worker(head_address: str, ip: str, temp_dir: str | Path, *extra: str, agent_port: int | None = None,
-                 object_store_bytes: int | None = None, log: str | Path | None = None) -> RayNode:
+def start_worker(
+    head_address: str,
+    ip: str,
+    temp_dir: str | Path,
+    *extra: str,
+    agent_port: int | None = None,
+    object_store_bytes: int | None = None,
+    log: str | Path | None = None,
+) -> RayNode:
     """A worker that joins `head_address`, in the background (it blocks, as under srun)."""
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([str(HELPER), "worker", ip, head_address, str(temp_dir), *extra], stdout=out,
-                            stderr=subprocess.STDOUT, env=_helper_env(agent_port, object_store_bytes))
+    proc = subprocess.Popen(
+        [str(HELPER), "worker", ip, head_address, str(temp_dir), *extra],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=_helper_env(agent_port, object_store_bytes),
+    )
     return RayNode(ip, Path(temp_dir), head_address, proc)

@@ -37,8 +37,17 @@ NODES = ("n1", "n2")
 CPUS_PER_NODE = 16
 GPUS_PER_NODE = 8
 DAEMONS = ("munged", "slurmctld", "slurmd")
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _die_with_parent() -> None:
@@ -73,7 +82,8 @@ class SlurmCluster:
         for i in range(GPUS_PER_NODE):  # emulated GPUs: the NVIDIA major number, no driver behind it
             os.mknod(root / "dev" / f"nvidia{i}", 0o666 | 0o020000, os.makedev(195, i))
         (root / "gres.conf").write_text(
-            f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
+            f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n"
+        )
         (root / "slurm.conf").write_text(cls._slurm_conf(root))
         env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
         return cls(root, env)
@@ -82,7 +92,9 @@ class SlurmCluster:
     def _slurm_conf(root: Path) -> str:
         nodes = "\n".join(
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
-            f"CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN" for n in NODES)
+            f"CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            for n in NODES
+        )
         # A random first job id: jobs derive ports from it (15000/20000 + JOBID % 10000), so two
         # test sessions on one host do not collide.
         first_job_id = random.randrange(1000, 9000, 10)
@@ -122,14 +134,24 @@ PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "wb")
-        self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=_die_with_parent)
+        self.procs[name] = subprocess.Popen(
+            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
 
     def start(self, timeout: float = 60) -> None:
         r = self.root
-        self._spawn("munged", ["munged", "-F", f"--key-file={r}/munge.key", f"--socket={r}/munge.sock",
-                               f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed",
-                               f"--log-file={r}/log/munged.log"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "-F",
+                f"--key-file={r}/munge.key",
+                f"--socket={r}/munge.sock",
+                f"--pid-file={r}/munged.pid",
+                f"--seed-file={r}/munged.seed",
+                f"--log-file={r}/log/munged.log",
+            ],
+        )
         self._wait(lambda: (r / "munge.sock").exists(), 10, "munged socket")
         self._spawn("slurmctld", ["slurmctld", "-D"])
         for n in NODES:
@@ -148,13 +170,21 @@ PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
         raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}:\n{self.logs()}")
 
     def logs(self, tail: int = 2000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}"
-                         for p in sorted((self.root / "log").iterdir()))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}"
+            for p in sorted((self.root / "log").iterdir())
+        )
 
     # -- use ------------------------------------------------------------------------------
     def run(self, *argv: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env={**self.env, **kw.pop("env", {})}, capture_output=True,
-                              text=True, timeout=timeout, **kw)
+        return subprocess.run(
+            list(argv),
+            env={**self.env, **kw.pop("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kw,
+        )
 
     def sinfo_states(self) -> list[str]:
         proc = self.run("sinfo", "-h", "-N", "-o", "%T")

@@ -11,7 +11,11 @@ OPTIONS = ["Venus", "Mars", "Jupiter", "Saturn"]
 
 # (completion after R1's served prompt "...<｜Assistant｜><think>\n", expected letter or None, rule)
 R1_CASES = [
-    ("A patient presents with A and C... I think it is Mars.\n</think>\n<answer>\nB\n</answer>", "B", "answer block"),
+    (
+        "A patient presents with A and C... I think it is Mars.\n</think>\n<answer>\nB\n</answer>",
+        "B",
+        "answer block",
+    ),
     ("A. no. C? no.\n</think>\n\nThe answer is \\boxed{B}.", "B", "boxed"),
     ("Let me think. A is wrong.\n</think>\n\\boxed{\\text{B}}", "B", "boxed"),
     ("Option A is Venus.\n</think>\n**Answer: B**", "B", "answer is"),
@@ -38,29 +42,37 @@ def test_r1_completions(text, letter, rule):
     assert (parsed.value, parsed.rule) == (letter, rule)
 
 
-@pytest.mark.parametrize("text,letter,rule", [
-    ("<answer>\nB\n</answer>", "B", "answer block"),            # the tiny model's format, no reasoning
-    ("<think>\nA or C\n</think>\n<answer>(D)</answer>", "D", "answer block"),
-    ("<think>\nA patient presents", None, TRUNCATED),            # an opener without a close: cut off
-    ("<answer>Saturn", "D", "answer block"),                   # unclosed block, option text
-    ("A patient presents with pain.", None, UNPARSEABLE),        # the stray letter is never an answer
-])
+@pytest.mark.parametrize(
+    "text,letter,rule",
+    [
+        ("<answer>\nB\n</answer>", "B", "answer block"),  # the tiny model's format, no reasoning
+        ("<think>\nA or C\n</think>\n<answer>(D)</answer>", "D", "answer block"),
+        ("<think>\nA patient presents", None, TRUNCATED),  # an opener without a close: cut off
+        ("<answer>Saturn", "D", "answer block"),  # unclosed block, option text
+        ("A patient presents with pain.", None, UNPARSEABLE),  # the stray letter is never an answer
+    ],
+)
 def test_completions_of_prompts_that_do_not_open_reasoning(text, letter, rule):
     parsed = parse_answer(text, len(OPTIONS), OPTIONS, reasoning_open=False)
     assert (parsed.value, parsed.rule) == (letter, rule)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<answer>  tenalp. </answer>", "tenalp."),
-    ("Sum it.\n</think>\nThe answer is 48.", "48"),
-    ("Sum it.\n</think>\n\\boxed{48}", "48"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<answer>  tenalp. </answer>", "tenalp."),
+        ("Sum it.\n</think>\nThe answer is 48.", "48"),
+        ("Sum it.\n</think>\n\\boxed{48}", "48"),
+    ],
+)
 def test_free_form_answers(text, expected):
     assert parse_answer(text, reasoning_open="</think>" in text).value == expected
 
 
 def test_scores_count_unparseable_as_wrong_and_report_the_rules():
-    prompts = [ev.Prompt(f"q{i}", [1], "B", "planets", 4, OPTIONS, reasoning_open=True) for i in range(len(R1_CASES))]
+    prompts = [
+        ev.Prompt(f"q{i}", [1], "B", "planets", 4, OPTIONS, reasoning_open=True) for i in range(len(R1_CASES))
+    ]
     answers = {p.id: {"text": text} for p, (text, _, _) in zip(prompts, R1_CASES)}
     per_example, table = ev.score(prompts, answers)
     expected_right = sum(letter == "B" for _, letter, _ in R1_CASES)
@@ -69,5 +81,5 @@ def test_scores_count_unparseable_as_wrong_and_report_the_rules():
     assert counts[TRUNCATED] == 2 and counts[UNPARSEABLE] == 4 and counts["boxed"] == 3
     assert sum(counts.values()) == len(R1_CASES)
     assert sorted(ev.unparseable(per_example)["id"]) == sorted(
-        p.id for p, (_, letter, _) in zip(prompts, R1_CASES) if letter is None)
-
+        p.id for p, (_, letter, _) in zip(prompts, R1_CASES) if letter is None
+    )

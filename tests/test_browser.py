@@ -46,9 +46,17 @@ ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = Path("/usr/bin/chromium")
 # What this machine's closed network needs (env/machines/python.md); Playwright adds a fresh
 # --user-data-dir itself.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-KERNEL_IDLE = "Python 3 (dsr1kit) | Idle"   # the status bar, once the project's kernel is idle
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+KERNEL_IDLE = "Python 3 (dsr1kit) | Idle"  # the status bar, once the project's kernel is idle
 ERROR_TEXT = re.compile(r"Traceback|\b\w*Error:|\bException:")
 
 pytestmark = pytest.mark.slow
@@ -80,8 +88,9 @@ class Lab:
         return self.url.split("/lab/")[0]
 
     def api(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(f"{self.base}{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            f"{self.base}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             body = resp.read()
         return json.loads(body) if body else None
@@ -98,21 +107,41 @@ def chromium() -> Path:
 def lab(tmp_path: Path, chromium: Path):
     """`dsr1kit lab` on a free port; settings, workspaces, checkpoints and runtime files in tmp."""
     settings = tmp_path / "lab-settings"
-    for plugin, values in {"docmanager-extension/plugin": {"autosave": False},
-                           "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}}.items():
+    for plugin, values in {
+        "docmanager-extension/plugin": {"autosave": False},
+        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    }.items():
         f = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(values))
     token = secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_DIR": str(tmp_path / "jupyter-config"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime")}
+    env = {
+        **os.environ,
+        "JUPYTER_TOKEN": token,
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "jupyter-config"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
+    }
     log = tmp_path / "lab.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dsr1kit.cli", "lab", "--port", "0", "--",
-             f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp_path / 'lab-workspaces'}",
-             f"--FileCheckpoints.checkpoint_dir={tmp_path / 'checkpoints'}"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "dsr1kit.cli",
+                "lab",
+                "--port",
+                "0",
+                "--",
+                f"--LabApp.user_settings_dir={settings}",
+                f"--LabApp.workspaces_dir={tmp_path / 'lab-workspaces'}",
+                f"--FileCheckpoints.checkpoint_dir={tmp_path / 'checkpoints'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = Lab(token=token, proc=proc, log=log)
     try:
         yield server
@@ -142,7 +171,7 @@ def _stop(proc: subprocess.Popen, token: str, log: Path, runtime_dir: Path) -> N
         started = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         started = []
-    for p in psutil.process_iter(["cmdline"]):   # kernels, found by their connection file, even if orphaned
+    for p in psutil.process_iter(["cmdline"]):  # kernels, found by their connection file, even if orphaned
         if any(str(runtime_dir) in arg for arg in p.info["cmdline"] or []) and p not in started:
             try:
                 started += [p, *p.children(recursive=True)]
@@ -151,15 +180,16 @@ def _stop(proc: subprocess.Popen, token: str, log: Path, runtime_dir: Path) -> N
     url = re.search(r"(http://[^/\s]+)/lab/tree/notebooks\?token=", log.read_text())
     if url and proc.poll() is None:
         try:
-            req = urllib.request.Request(f"{url.group(1)}/api/shutdown", method="POST",
-                                         headers={"Authorization": f"token {token}"})
+            req = urllib.request.Request(
+                f"{url.group(1)}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
+            )
             urllib.request.urlopen(req, timeout=10).close()
             proc.wait(30)
         except (OSError, subprocess.TimeoutExpired):
             pass
     own_group = os.getpgrp()
     try:
-        os.killpg(proc.pid, signal.SIGKILL)   # `dsr1kit lab` and the server: the group it was started in
+        os.killpg(proc.pid, signal.SIGKILL)  # `dsr1kit lab` and the server: the group it was started in
     except ProcessLookupError:
         pass
     for p in [*started, proc]:
@@ -170,7 +200,7 @@ def _stop(proc: subprocess.Popen, token: str, log: Path, runtime_dir: Path) -> N
             continue
         try:
             if pgid != own_group:
-                os.killpg(pgid, signal.SIGKILL)   # the kernel and vLLM run in groups of their own
+                os.killpg(pgid, signal.SIGKILL)  # the kernel and vLLM run in groups of their own
             else:
                 os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -221,8 +251,10 @@ def open_and_run_all(page: Page, lab: Lab, name: str, typed_params: str = "", ti
     item.wait_for(timeout=60_000)
     item.dblclick()
     page.locator("#jp-main-statusbar").get_by_text(KERNEL_IDLE).wait_for(timeout=120_000)
-    assert page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").text_content() \
+    assert (
+        page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel").text_content()
         == f"{name}.ipynb"
+    )
     sessions = lab.api("/api/sessions")
     assert [(s["path"], s["kernel"]["name"]) for s in sessions] == [(f"notebooks/{name}.ipynb", "dsr1kit")]
 
@@ -232,7 +264,7 @@ def open_and_run_all(page: Page, lab: Lab, name: str, typed_params: str = "", ti
         assert "# Parameters" in editor.text_content()
         editor.click()
         page.keyboard.press("Control+End")
-        page.keyboard.insert_text("\n" + typed_params.strip())   # as pasted; typing key by key costs ~2 s
+        page.keyboard.insert_text("\n" + typed_params.strip())  # as pasted; typing key by key costs ~2 s
         page.keyboard.press("Escape")
         lines = cells.nth(1).locator(".cm-line").all_text_contents()
         for line in typed_params.strip().splitlines():
@@ -260,11 +292,17 @@ def open_and_run_all(page: Page, lab: Lab, name: str, typed_params: str = "", ti
         time.sleep(0.5)
     else:
         pytest.fail(f"{name}: run-all not finished after {timeout_s} s; prompts {state.get('prompts')}")
-    screenshot(page, name)   # first: the tall viewport lays every output out
+    screenshot(page, name)  # first: the tall viewport lays every output out
     outputs = read_outputs(page)
-    errors = [o for o in outputs if o["mime"] in ("application/vnd.jupyter.error", "application/vnd.jupyter.stderr")
-              and ERROR_TEXT.search(o["text"])]
-    assert not errors, f"{name}: error output in the notebook:\n" + "\n---\n".join(o["text"][-2000:] for o in errors)
+    errors = [
+        o
+        for o in outputs
+        if o["mime"] in ("application/vnd.jupyter.error", "application/vnd.jupyter.stderr")
+        and ERROR_TEXT.search(o["text"])
+    ]
+    assert not errors, f"{name}: error output in the notebook:\n" + "\n---\n".join(
+        o["text"][-2000:] for o in errors
+    )
     assert all(re.fullmatch(r"\[\d+\]:", p) for p in state["prompts"]), state["prompts"]
     return {"outputs": outputs, "seconds": round(time.monotonic() - started, 1)}
 
@@ -292,7 +330,7 @@ def read_outputs(page: Page) -> list[dict]:
 
 def screenshot(page: Page, name: str) -> Path:
     """The whole notebook after run-all: a viewport as tall as the notebook, from the top."""
-    for _ in range(3):   # cells off screen have estimated heights until laid out: settle
+    for _ in range(3):  # cells off screen have estimated heights until laid out: settle
         extra = page.evaluate("""() => {
             const s = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer');
             const cells = s.querySelectorAll('.jp-Cell');
@@ -336,7 +374,7 @@ def test_cluster_check_shows_the_checks_table(lab, page):
     run_dir = Path(re.search(r"run folder: (\S+)", text_of(out)).group(1))
     if run_dir.parent == ROOT / "runs" and "00_cluster_check" in run_dir.name:
         lab.remove_after.append(run_dir)
-    assert run_dir.parent == ROOT / "runs"   # an empty run_dir means the project's runs/, not notebooks/runs
+    assert run_dir.parent == ROOT / "runs"  # an empty run_dir means the project's runs/, not notebooks/runs
     (checks,) = tables_with(out, "name", "status", "measured", "expected", "fix")
     assert len(checks["rows"]) >= 10
     assert set(column(checks, "status")) <= {"pass", "warn"}
@@ -358,8 +396,10 @@ log_every = 1
     out = open_and_run_all(page, lab, "20_hari_training", typed)["outputs"]
     plots = [img for o in out if "training_curves" in o["source"] for img in o["images"]]
     assert plots, "no image in the training-curves cell"
-    assert all(img["src"].startswith("data:image/png") and img["width"] > 300 and img["shown"] > 300 for img in plots)
-    assert tables_with(out, "source", "split", "kept")          # the data table
+    assert all(
+        img["src"].startswith("data:image/png") and img["width"] > 300 and img["shown"] > 300 for img in plots
+    )
+    assert tables_with(out, "source", "split", "kept")  # the data table
     assert "Verdict: OK" in text_of(out) and "steps done: 4 of 4" in text_of(out)
     assert (runs_root / "browser-20_hari_training" / "adapter" / "adapter_config.json").is_file()
 
@@ -369,9 +409,21 @@ def hari_adapter(runs_root: Path, cli) -> Path:
     """20's adapter from the browser test; when that did not run (-k), the same run headless."""
     found = sorted(runs_root.glob("*20_hari_training*/adapter/adapter_config.json"))
     if not found:
-        res = cli("run", "notebooks/20_hari_training.ipynb", "-f", "params/tiny/20_hari_training.yaml", "-q",
-                  "-p", "sample_limit", "32", "-p", "max_steps", "4",
-                  "--run-dir", str(runs_root / "headless-20_hari_training"))
+        res = cli(
+            "run",
+            "notebooks/20_hari_training.ipynb",
+            "-f",
+            "params/tiny/20_hari_training.yaml",
+            "-q",
+            "-p",
+            "sample_limit",
+            "32",
+            "-p",
+            "max_steps",
+            "4",
+            "--run-dir",
+            str(runs_root / "headless-20_hari_training"),
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         found = sorted(runs_root.glob("*20_hari_training*/adapter/adapter_config.json"))
     return found[-1].parent
@@ -392,7 +444,7 @@ max_new_tokens = 8
     assert any(m.endswith("q_a_proj") for m in modules) and any(m.endswith("q_b_proj") for m in modules)
     assert all(float(v) >= 0 for v in column(table, "norm_delta"))
     assert "lora_B is non-zero in every module" in text_of(out)
-    assert tables_with(out, "probe set", "top-1 agreement")       # how far the model moved
+    assert tables_with(out, "probe set", "top-1 agreement")  # how far the model moved
     assert any(img["width"] > 300 for o in out for img in o["images"])
     assert re.search(r"Verdict: (OK|WARN)", text_of(out))
 
@@ -425,8 +477,14 @@ def test_lab_without_a_token_prints_a_random_one_that_guards_the_server(tmp_path
     env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"))
     log = tmp_path / "lab.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dsr1kit.cli", "lab"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsr1kit.cli", "lab"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     token = ""
     try:
         url = _wait_for_url(proc, log, timeout=90)
@@ -434,13 +492,14 @@ def test_lab_without_a_token_prints_a_random_one_that_guards_the_server(tmp_path
         assert re.fullmatch(r"[0-9a-f]{48}", token)
         base = url.split("/lab/")[0]
         assert base.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(urllib.request.Request(f"{base}/api/status",
-                                                           headers={"Authorization": f"token {token}"})) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{base}/api/status", headers={"Authorization": f"token {token}"})
+        ) as r:
             assert r.status == 200
         with pytest.raises(urllib.error.HTTPError) as denied:
             urllib.request.urlopen(f"{base}/api/status")
         assert denied.value.code == 403
         cmdlines = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)]
-        assert cmdlines and not any(token in c for c in cmdlines)   # not on a command line (ps shows those)
+        assert cmdlines and not any(token in c for c in cmdlines)  # not on a command line (ps shows those)
     finally:
         _stop(proc, token, log, tmp_path / "rt")

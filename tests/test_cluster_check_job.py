@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +27,17 @@ NODE_IPS = {"n1": "127.0.0.2", "n2": "127.0.0.3"}
 def submit(slurm, tmp: Path, *sbatch_args: str, params: tuple[str, ...] = ()) -> dict:
     """Run one job to its end; return its state, output, run folder, summary and status."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rj"))  # short: Ray socket paths
-    env = {"DSR1KIT_RUNS_DIR": str(tmp / "runs"), "DSR1KIT_NODE_IPS": " ".join(NODE_IPS.values()),
-           "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NVME_DIR": str(tmp / "nvme"),
-           "OMP_NUM_THREADS": "1", "DSR1KIT_RAY_STOP_ALL": "0", "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
-           "RAY_TMP_ROOT": str(ray_tmp)}
+    env = {
+        "DSR1KIT_RUNS_DIR": str(tmp / "runs"),
+        "DSR1KIT_NODE_IPS": " ".join(NODE_IPS.values()),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        "DSR1KIT_RAY_STOP_ALL": "0",
+        "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
+        "RAY_TMP_ROOT": str(ray_tmp),
+    }
     job_id = slurm.sbatch(f"--output={tmp}/%x-%j.out", *sbatch_args, SBATCH, TINY, *params, env=env, cwd=ROOT)
     job = slurm.wait_job(job_id, timeout=420)
     runs = list((tmp / "runs").iterdir()) if (tmp / "runs").is_dir() else []
@@ -39,8 +45,13 @@ def submit(slurm, tmp: Path, *sbatch_args: str, params: tuple[str, ...] = ()) ->
     status = json.loads((runs[0] / "status.json").read_text())
     left = sorted(p.name for p in ray_tmp.iterdir())
     ray_tmp.rmdir() if not left else None
-    return {"job": job, "run_dir": runs[0], "status": status, "summary": status.get("summary", {}),
-            "ray_tmp_left": left}
+    return {
+        "job": job,
+        "run_dir": runs[0],
+        "status": status,
+        "summary": status.get("summary", {}),
+        "ray_tmp_left": left,
+    }
 
 
 def rows(result: dict, name: str) -> list[dict]:
@@ -54,25 +65,49 @@ def two_nodes(slurm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mistakes(slurm, tmp_path_factory):
-    return submit(slurm, tmp_path_factory.mktemp("bad"), "-N", "2", "--ntasks-per-node=8", "--gpus-per-task=1",
-                  "--cpus-per-task=1", params=("-p", "expected_nodes", "2", "-p", "shm_min_free_gib", "1e6",
-                                               "-p", "scratch_dir", "/nonexistent/nvme"))
+    return submit(
+        slurm,
+        tmp_path_factory.mktemp("bad"),
+        "-N",
+        "2",
+        "--ntasks-per-node=8",
+        "--gpus-per-task=1",
+        "--cpus-per-task=1",
+        params=(
+            "-p",
+            "expected_nodes",
+            "2",
+            "-p",
+            "shm_min_free_gib",
+            "1e6",
+            "-p",
+            "scratch_dir",
+            "/nonexistent/nvme",
+        ),
+    )
 
 
 # -- the kit's layout -----------------------------------------------------------------------------
 def test_two_node_job_completes_with_a_report_listing_both_nodes(two_nodes):
-    assert (two_nodes["job"].state, two_nodes["job"].exit_code) == ("COMPLETED", "0:0"), two_nodes["job"].output
+    assert (two_nodes["job"].state, two_nodes["job"].exit_code) == ("COMPLETED", "0:0"), two_nodes[
+        "job"
+    ].output
     assert two_nodes["status"]["status"] == "ok"
     assert two_nodes["summary"]["nodes"] == ["n1", "n2"]
     assert two_nodes["summary"]["checks_status"] in ("pass", "warn")
 
 
 def test_allreduce_passes_on_both_nodes_with_a_bandwidth(two_nodes):
-    assert [(r["host"], r["status"]) for r in rows(two_nodes, "all-reduce")] == [("n1", "pass"), ("n2", "pass")]
+    assert [(r["host"], r["status"]) for r in rows(two_nodes, "all-reduce")] == [
+        ("n1", "pass"),
+        ("n2", "pass"),
+    ]
     [bw] = rows(two_nodes, "all-reduce bus bandwidth")
     assert bw["status"] == "pass" and "GB/s" in bw["measured"] and "2 ranks" in bw["measured"]
     measured = two_nodes["summary"]["allreduce"]
-    assert measured["world_size"] == 2 and all(r["busbw_gbps"] > 0 and r["correct"] for r in measured["results"])
+    assert measured["world_size"] == 2 and all(
+        r["busbw_gbps"] > 0 and r["correct"] for r in measured["results"]
+    )
     assert (two_nodes["run_dir"] / "figures" / "allreduce_busbw.png").stat().st_size > 0
 
 

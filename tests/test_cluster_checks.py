@@ -5,11 +5,12 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
+from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit import params as P
 from dsr1kit.cluster import allreduce, checks, net, rank_check
 from dsr1kit.cluster.rendezvous import free_port
-from slurm_cluster import slurm  # noqa: F401  (session fixture)
+from dsr1kit.steps.cluster_check import rank_check_config
 
 
 def _iface(name: str, cidr: str | None) -> net.Interface:
@@ -19,19 +20,26 @@ def _iface(name: str, cidr: str | None) -> net.Interface:
     return net.Interface(name, str(i.ip), i.network, True)
 
 
-IFACES = {"lo": _iface("lo", "127.0.0.1/8"), "eth0": _iface("eth0", "10.1.0.5/16"),
-          "ib0": _iface("ib0", "10.9.0.5/16"), "docker0": _iface("docker0", "172.17.0.1/16")}
+IFACES = {
+    "lo": _iface("lo", "127.0.0.1/8"),
+    "eth0": _iface("eth0", "10.1.0.5/16"),
+    "ib0": _iface("ib0", "10.9.0.5/16"),
+    "docker0": _iface("docker0", "172.17.0.1/16"),
+}
 NO_IB = {k: v for k, v in IFACES.items() if k != "ib0"}
 
 
 # -- network -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec,names,chosen", [
-    ("ib0", ["lo", "eth0", "ib0"], ["ib0"]),
-    ("^lo,docker0", ["lo", "docker0", "eth0", "ib0"], ["ib0", "eth0"]),  # NCCL prefers ib*
-    ("eth", ["eth0", "eth1", "ib0"], ["eth0", "eth1"]),                 # prefixes
-    ("=eth0", ["eth0", "eth01"], ["eth0"]),                              # exact
-    ("ib0", ["lo", "eth0"], []),
-])
+@pytest.mark.parametrize(
+    "spec,names,chosen",
+    [
+        ("ib0", ["lo", "eth0", "ib0"], ["ib0"]),
+        ("^lo,docker0", ["lo", "docker0", "eth0", "ib0"], ["ib0", "eth0"]),  # NCCL prefers ib*
+        ("eth", ["eth0", "eth1", "ib0"], ["eth0", "eth1"]),  # prefixes
+        ("=eth0", ["eth0", "eth01"], ["eth0"]),  # exact
+        ("ib0", ["lo", "eth0"], []),
+    ],
+)
 def test_nccl_socket_ifname_selects_like_nccl(spec, names, chosen):
     assert net.nccl_matches(spec, names) == chosen
 
@@ -60,12 +68,15 @@ def test_this_machine_has_an_interface_for_collectives():
     assert net.check_interface(False, False, {}).status == "pass"  # the real interfaces here
 
 
-@pytest.mark.parametrize("ip,env,status", [
-    ("10.9.0.5", {"GLOO_SOCKET_IFNAME": "ib0"}, "pass"),
-    ("10.1.0.5", {"GLOO_SOCKET_IFNAME": "ib0"}, "warn"),   # Ray on Ethernet, NCCL on IB
-    ("127.0.0.3", {"GLOO_SOCKET_IFNAME": "lo"}, "pass"),   # loopback alias on one host
-    ("192.0.2.77", {"GLOO_SOCKET_IFNAME": "ib0"}, "fail"),  # not this node's address
-])
+@pytest.mark.parametrize(
+    "ip,env,status",
+    [
+        ("10.9.0.5", {"GLOO_SOCKET_IFNAME": "ib0"}, "pass"),
+        ("10.1.0.5", {"GLOO_SOCKET_IFNAME": "ib0"}, "warn"),  # Ray on Ethernet, NCCL on IB
+        ("127.0.0.3", {"GLOO_SOCKET_IFNAME": "lo"}, "pass"),  # loopback alias on one host
+        ("192.0.2.77", {"GLOO_SOCKET_IFNAME": "ib0"}, "fail"),  # not this node's address
+    ],
+)
 def test_advertised_ip_must_be_on_the_collectives_interface(ip, env, status):
     row = net.check_advertised_ip(ip, env, IFACES)
     assert row.status == status, row
@@ -102,9 +113,15 @@ def test_bus_bandwidth_factor_is_2_n_minus_1_over_n(n, factor):
 
 @pytest.mark.parametrize("busbw,status", [(45.0, "pass"), (25.0, "warn"), (10.0, "fail")])
 def test_bus_bandwidth_is_judged_against_the_expected_figure(busbw, status):
-    result = {"backend": "nccl", "world_size": 16, "rank": 0, "results": [
-        {"size_mib": 16, "busbw_gbps": busbw / 4, "correct": True},
-        {"size_mib": 1024, "busbw_gbps": busbw, "correct": True}]}
+    result = {
+        "backend": "nccl",
+        "world_size": 16,
+        "rank": 0,
+        "results": [
+            {"size_mib": 16, "busbw_gbps": busbw / 4, "correct": True},
+            {"size_mib": 1024, "busbw_gbps": busbw, "correct": True},
+        ],
+    }
     row = allreduce.bandwidth_row(result, 40)
     assert row.status == status and f"{busbw:.2f} GB/s at 1024 MiB" in row.measured
     assert ("NET/IB" in row.fix) == (status != "pass")
@@ -118,18 +135,28 @@ def test_rank_that_nobody_joins_reports_an_error_instead_of_hanging():
 
 def test_local_ranks_sum_correctly_and_measure_bandwidth(tmp_path):
     p = P.load("00_cluster_check", ["params/tiny/00_cluster_check.yaml"], {"allreduce_sizes_mib": [0.5]})
-    ranks = checks.load_ranks(rank_check.run_local(p, tmp_path, world_size=2))
+    ranks = checks.load_ranks(rank_check.run_local(rank_check_config(p), tmp_path, world_size=2))
     assert [r["rank"] for r in ranks] == [0, 1]
     rows = checks.gathered_rows(ranks, expected_nodes=1)
     assert [r.status for r in rows if r.name == "all-reduce"] == ["pass", "pass"]
     result = checks.bandwidth_results(ranks)
-    assert result["backend"] == "gloo" and result["world_size"] == 2 and result["results"][0]["busbw_gbps"] > 0
+    assert (
+        result["backend"] == "gloo" and result["world_size"] == 2 and result["results"][0]["busbw_gbps"] > 0
+    )
 
 
 # -- gathering ------------------------------------------------------------------------------------
 def _rank(rank: int, world: int, node: str, gpus: list | None = None) -> dict:
-    return {"rank": rank, "world_size": world, "local_rank": 0, "node": node, "node_ip": None,
-            "gpus": gpus or [], "allreduce": {}, "rows": []}
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": 0,
+        "node": node,
+        "node_ip": None,
+        "gpus": gpus or [],
+        "allreduce": {},
+        "rows": [],
+    }
 
 
 def test_missing_rank_is_a_failing_row_naming_it():

@@ -19,29 +19,40 @@ def _jsonl(path, rows):
 ROWS = [{"id": f"r{i}", "question": f"q{i}?", "answer": str(i)} for i in range(10)]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("a.jsonl", [("a.jsonl", None, None)]),
-    ("a.jsonl:5", [("a.jsonl", 5, None)]),
-    ("a.jsonl:ALL", [("a.jsonl", None, None)]),
-    ("org/set:", [("org/set", None, None)]),
-    ("org/set:100@train+test", [("org/set", 100, ("train", "test"))]),
-    ("org/set@validation", [("org/set", None, ("validation",))]),
-    ("a.jsonl:3, org/b:7@test", [("a.jsonl", 3, None), ("org/b", 7, ("test",))]),
-    ('[{"name": "org/set", "max_n": 4, "splits": ["train"]}, {"name": "x.jsonl"}]',
-     [("org/set", 4, ("train",)), ("x.jsonl", None, None)]),
-    ('[{"name": "org/set", "max_n": "ALL", "splits": "train+test"}]', [("org/set", None, ("train", "test"))]),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("a.jsonl", [("a.jsonl", None, None)]),
+        ("a.jsonl:5", [("a.jsonl", 5, None)]),
+        ("a.jsonl:ALL", [("a.jsonl", None, None)]),
+        ("org/set:", [("org/set", None, None)]),
+        ("org/set:100@train+test", [("org/set", 100, ("train", "test"))]),
+        ("org/set@validation", [("org/set", None, ("validation",))]),
+        ("a.jsonl:3, org/b:7@test", [("a.jsonl", 3, None), ("org/b", 7, ("test",))]),
+        (
+            '[{"name": "org/set", "max_n": 4, "splits": ["train"]}, {"name": "x.jsonl"}]',
+            [("org/set", 4, ("train",)), ("x.jsonl", None, None)],
+        ),
+        (
+            '[{"name": "org/set", "max_n": "ALL", "splits": "train+test"}]',
+            [("org/set", None, ("train", "test"))],
+        ),
+    ],
+)
 def test_plan_parses_both_forms(text, expected):
     assert [(s.name, s.max_n, s.splits) for s in plan.parse_plan(text)] == expected
 
 
-@pytest.mark.parametrize("text,message", [
-    ("", "empty dataset plan"),
-    ("a.jsonl:ten", "is not a number"),
-    ("[{\"max_n\": 3}]", "must be an object with a 'name'"),
-    ("[{\"name\": \"a\", \"limit\": 3}]", "unknown keys ['limit']"),
-    ("[not json", "does not parse"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "empty dataset plan"),
+        ("a.jsonl:ten", "is not a number"),
+        ('[{"max_n": 3}]', "must be an object with a 'name'"),
+        ('[{"name": "a", "limit": 3}]', "unknown keys ['limit']"),
+        ("[not json", "does not parse"),
+    ],
+)
 def test_bad_plans_say_what_is_wrong(text, message):
     with pytest.raises(plan.DatasetPlanError, match=message.replace("[", r"\[").replace("]", r"\]")):
         plan.parse_plan(text)
@@ -66,7 +77,10 @@ def test_folder_source_reads_split_files_and_skips_missing_with_reason(tmp_path)
         loaded = plan.load_rows(str(d))
     assert len(loaded.rows) == 6
     assert [(r.split, r.status, r.rows) for r in loaded.report] == [
-        ("train", "ok", 4), ("validation", "skipped", 0), ("test", "ok", 2)]
+        ("train", "ok", 4),
+        ("validation", "skipped", 0),
+        ("test", "ok", 2),
+    ]
 
 
 def test_zero_rows_names_every_source_tried(tmp_path):
@@ -82,9 +96,11 @@ def test_one_broken_source_stops_the_plan_instead_of_training_on_the_rest(tmp_pa
     good = _jsonl(tmp_path / "good.jsonl", ROWS[:4])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a", "answer": "b"}\n{oops\n')
-    for broken, reason in [(f"{tmp_path}/missing.jsonl", "missing.jsonl@train: FileNotFoundError: local file "),
-                           (str(bad), "bad.jsonl@train: ValueError: line 2 is not JSON"),
-                           (f"{tmp_path}@validation", "@validation: MissingSplit: no validation")]:
+    for broken, reason in [
+        (f"{tmp_path}/missing.jsonl", "missing.jsonl@train: FileNotFoundError: local file "),
+        (str(bad), "bad.jsonl@train: ValueError: line 2 is not JSON"),
+        (f"{tmp_path}@validation", "@validation: MissingSplit: no validation"),
+    ]:
         with pytest.raises(plan.DatasetPlanError) as err:
             plan.load_rows(f"{good},{broken}")
         assert "cannot be read" in str(err.value) and reason in str(err.value), str(err.value)
@@ -100,14 +116,22 @@ def test_corrupt_line_is_a_skipped_split_with_the_line_number(tmp_path):
             plan.load_rows(str(bad))
 
 
-@pytest.mark.parametrize("row,expected", [
-    ({"question": "Q?", "answer": "A", "cot": "because"},
-     "<think>\nbecause\n</think>\n<answer>\nA\n</answer>"),
-    ({"question": "Q?", "answer": "A", "rationale": "r"}, "<think>\nr\n</think>\n<answer>\nA\n</answer>"),
-    ({"question": "Q?", "answer": "A", "explanation": "e"}, "<think>\ne\n</think>\n<answer>\nA\n</answer>"),
-    ({"question": "Q?", "answer": "A"}, "<answer>\nA\n</answer>"),
-    ({"question": "Q?", "answer": "A", "cot": "  "}, "<answer>\nA\n</answer>"),
-])
+@pytest.mark.parametrize(
+    "row,expected",
+    [
+        (
+            {"question": "Q?", "answer": "A", "cot": "because"},
+            "<think>\nbecause\n</think>\n<answer>\nA\n</answer>",
+        ),
+        ({"question": "Q?", "answer": "A", "rationale": "r"}, "<think>\nr\n</think>\n<answer>\nA\n</answer>"),
+        (
+            {"question": "Q?", "answer": "A", "explanation": "e"},
+            "<think>\ne\n</think>\n<answer>\nA\n</answer>",
+        ),
+        ({"question": "Q?", "answer": "A"}, "<answer>\nA\n</answer>"),
+        ({"question": "Q?", "answer": "A", "cot": "  "}, "<answer>\nA\n</answer>"),
+    ],
+)
 def test_assistant_turn_format(row, expected):
     assert chat.to_messages(row, "S")[-1] == {"role": "assistant", "content": expected}
 
@@ -123,15 +147,25 @@ def test_rows_without_question_or_answer_are_skipped_and_counted(tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    rows = [{"question": "q", "answer": "a", "_source": "s"}, {"answer": "a", "_source": "s"},
-            {"question": "q", "_source": "s"}, {"question": "", "answer": "a", "_source": "s"}]
+    rows = [
+        {"question": "q", "answer": "a", "_source": "s"},
+        {"answer": "a", "_source": "s"},
+        {"question": "q", "_source": "s"},
+        {"question": "", "answer": "a", "_source": "s"},
+    ]
     enc = labels.encode_rows(tok, rows, 64, "S")
     assert (len(enc.examples), enc.skipped) == (1, 3)
     counts = enc.per_source["s"]
     assert {k: counts[k] for k in ("rows", "kept", "skipped", "truncated", "no_reasoning")} == {
-        "rows": 4, "kept": 1, "skipped": 3, "truncated": 0, "no_reasoning": 1}
+        "rows": 4,
+        "kept": 1,
+        "skipped": 3,
+        "truncated": 0,
+        "no_reasoning": 1,
+    }
     assert counts["reasoning_tokens"] == 0 and counts["answer_tokens"] == len(enc.examples[0].labels) - sum(
-        t == labels.IGNORE for t in enc.examples[0].labels)
+        t == labels.IGNORE for t in enc.examples[0].labels
+    )
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,34 @@ from dsr1kit.cluster.rendezvous import process_ranks
 from dsr1kit.run.report import process_rank
 from dsr1kit.train.dist import from_env
 
-SRUN = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-        "SLURM_JOB_NODELIST": "n[1-2]", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "19242"}
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29511"}
+SRUN = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "MASTER_ADDR": "10.0.0.7",
+    "MASTER_PORT": "19242",
+}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "10.0.0.9",
+    "MASTER_PORT": "29511",
+}
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, (0, 1, 0, "single")),
-    (SRUN, (1, 2, 0, "slurm")),
-    ({**SRUN, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, (0, 1, 0, "single")),   # the batch step itself
-    ({**SRUN, **TORCHRUN}, (3, 4, 1, "torchrun")),                                 # torchrun inside sbatch
-    ({"RANK": "2"}, (0, 1, 0, "single")),                                          # RANK alone: not a launcher
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, (0, 1, 0, "single")),
+        (SRUN, (1, 2, 0, "slurm")),
+        ({**SRUN, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, (0, 1, 0, "single")),  # the batch step itself
+        ({**SRUN, **TORCHRUN}, (3, 4, 1, "torchrun")),  # torchrun inside sbatch
+        ({"RANK": "2"}, (0, 1, 0, "single")),  # RANK alone: not a launcher
+    ],
+)
 def test_one_parser_for_report_and_training(env, expected):
     assert process_ranks(env) == expected
     assert process_rank(env) == expected[0]

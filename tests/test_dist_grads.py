@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from dsr1kit.cluster.rendezvous import free_port
 from dsr1kit.model.lora import first_adapted_layer
 from dsr1kit.params import HariParams
+from dsr1kit.steps.hari_training import loss_config
 from dsr1kit.train import dist
 from dsr1kit.train.hari import hari_loss
 
@@ -25,7 +26,7 @@ ROWS = 4
 
 def _grads_of(model, batch, rows: slice, scale: float = 1.0) -> None:
     sub = {k: v[rows] for k, v in batch.items()}
-    (hari_loss(model, sub, P, first_adapted_layer(_grads_of.plan)).loss * scale).backward()
+    (hari_loss(model, sub, loss_config(P), first_adapted_layer(_grads_of.plan)).loss * scale).backward()
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:
@@ -33,7 +34,9 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     dist.init(dist.from_env(), timeout_s=120)
     try:
         model, plan, batch = adapted_model_and_batch(P, ROWS, 96)

@@ -8,8 +8,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Spelled in pieces so that this file does not match itself.
-OUTSIDE = re.compile("|".join([r"DESIGN" + r"\.md", r"RECIPE" + r"\.md", r"STYLE" + r"\.md", r"\bissue" + r" #?\d",
-                               r"\.\./shared/", r"DESIGN" + r" fact"]), re.I)
+OUTSIDE = re.compile(
+    "|".join(
+        [
+            r"DESIGN" + r"\.md",
+            r"RECIPE" + r"\.md",
+            r"STYLE" + r"\.md",
+            r"\bissue" + r" #?\d",
+            r"\.\./shared/",
+            r"DESIGN" + r" fact",
+        ]
+    ),
+    re.I,
+)
 
 
 def _tracked() -> list[Path]:
@@ -26,8 +37,11 @@ def test_no_reference_to_files_outside_the_repository():
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        hits += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
-                 if OUTSIDE.search(line)]
+        hits += [
+            f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+            for i, line in enumerate(text.splitlines(), 1)
+            if OUTSIDE.search(line)
+        ]
     assert not hits, "\n".join(hits)
 
 

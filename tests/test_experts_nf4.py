@@ -75,8 +75,12 @@ def test_group_dequantize_equals_bitsandbytes_per_expert(bf16_model):
     nf4 = NF4Experts.from_experts(experts)
     group = nf4.dequantize("gate_up", torch.tensor([1, 4, 7]))
     for g, e in enumerate([1, 4, 7]):
-        packed, state = bnbf.quantize_4bit(experts.gate_up_proj[e].detach().contiguous(), blocksize=64,
-                                           compress_statistics=True, quant_type="nf4")
+        packed, state = bnbf.quantize_4bit(
+            experts.gate_up_proj[e].detach().contiguous(),
+            blocksize=64,
+            compress_statistics=True,
+            quant_type="nf4",
+        )
         assert torch.equal(group[g], bnbf.dequantize_4bit(packed, state))
 
 
@@ -124,14 +128,22 @@ def test_routing_stays_fp32_under_autocast(bf16_model, routed):
 
 # -- training through NF4 experts -------------------------------------------------------------
 
+
 def with_lora(model, layer: int, seed: int = 0):
     """PEFT LoRA r=4, alpha=8 on one layer's q_a_proj/q_b_proj (the recipe's targets), B non-zero."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
-                        target_modules=[f"model.layers.{layer}.self_attn.q_a_proj",
-                                        f"model.layers.{layer}.self_attn.q_b_proj"])
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=[
+            f"model.layers.{layer}.self_attn.q_a_proj",
+            f"model.layers.{layer}.self_attn.q_b_proj",
+        ],
+    )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

@@ -1,10 +1,9 @@
-"""dsr1kit.measure.forgetting: exact-match accuracy equals greedy decoding, KL to the base, the λ-sweep analysis."""
+"""dsr1kit.measure: exact-match accuracy equals greedy decoding, KL to the base, one point, the λ-sweep analysis."""
 
 from __future__ import annotations
 
 import math
 import re
-import types
 
 import pytest
 import torch
@@ -13,12 +12,14 @@ import torch.nn.functional as F
 from dsr1kit.data.chat import to_messages
 from dsr1kit.data.plan import load_rows
 from dsr1kit.data.render import render_chat
-from dsr1kit.measure.forgetting import (PointResult, accuracy, answer_matches, by_lambda, evaluate_point, fit_line,
-                                frontier_figure, kl_figure, kl_to_base, sweep_verdict)
+from dsr1kit.measure.accuracy import accuracy, answer_matches
+from dsr1kit.measure.figures import frontier_figure, kl_figure
+from dsr1kit.measure.kl import kl_to_base
+from dsr1kit.measure.point import evaluate_point
+from dsr1kit.measure.sweep import PointResult, by_lambda, fit_line, sweep_verdict
 from dsr1kit.steps import FAIL, OK, WARN
 
 SYSTEM = "You are DeepSeek-R1."
-LORA = types.SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_last_k_layers=1, lora_targets=[])
 TURN = re.compile(r"^(?:<think>\n(?P<cot>.*?)\n</think>\n)?<answer>\n(?P<answer>.*?)\n</answer>", re.S)
 
 
@@ -42,9 +43,9 @@ def base_model(tiny_dir):
 
 @pytest.fixture
 def peft_model(tiny_dir):
-    from dsr1kit.model.lora import apply_lora
+    from dsr1kit.model.lora import LoraConfig, apply_lora
 
-    model, _ = apply_lora(_base(tiny_dir), LORA)
+    model, _ = apply_lora(_base(tiny_dir), LoraConfig(r=4, alpha=8, dropout=0.0, last_k_layers=1, targets=()))
     return model.eval()
 
 
@@ -64,9 +65,10 @@ def _randomize_lora_b(model, scale: float = 0.5) -> None:
 @torch.no_grad()
 def _greedy(model, prompt_ids: list[int], n: int, pad_id: int) -> list[int]:
     x = torch.tensor([prompt_ids])
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         pad_token_id=pad_id)
-    return out[0, x.shape[1]:].tolist()
+    out = model.generate(
+        input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=pad_id
+    )
+    return out[0, x.shape[1] :].tolist()
 
 
 def _own_answer_rows(model, tokenizer, rows: list[dict]) -> list[dict]:
@@ -99,7 +101,9 @@ def test_answer_matches_is_greedy_generation(base_model, tokenizer, eval_rows):
         partial += 0 < next((i for i, (g, t) in enumerate(zip(generated, target)) if g != t), 0)
     assert matches == expected
     assert any(matches) and not all(matches)
-    assert partial >= 3  # misses after a correct start: the teacher-forced shortcut is tested where it matters
+    assert (
+        partial >= 3
+    )  # misses after a correct start: the teacher-forced shortcut is tested where it matters
     assert accuracy(matches) == sum(expected) / len(expected)
 
 
@@ -127,7 +131,11 @@ def _direct_kl(model, tokenizer, rows, span: str) -> float:
             with model.disable_adapter():
                 base = F.log_softmax(model(input_ids=x).logits[0].float(), -1)
             n_prompt = len(rendered.prompt_ids)
-            pos = slice(n_prompt - 1, len(rendered.ids) - 1) if span == "answer" else slice(0, len(rendered.ids))
+            pos = (
+                slice(n_prompt - 1, len(rendered.ids) - 1)
+                if span == "answer"
+                else slice(0, len(rendered.ids))
+            )
             total += float(F.kl_div(adapted[pos], base[pos], log_target=True, reduction="sum"))
             count += len(range(*pos.indices(len(rendered.ids))))
     return total / count
@@ -135,7 +143,9 @@ def _direct_kl(model, tokenizer, rows, span: str) -> float:
 
 def test_kl_to_base(peft_model, tokenizer, eval_rows):
     rows = eval_rows[:10]
-    assert kl_to_base(peft_model, tokenizer, rows, SYSTEM, span="answer") == 0.0  # lora_B = 0: the base itself
+    assert (
+        kl_to_base(peft_model, tokenizer, rows, SYSTEM, span="answer") == 0.0
+    )  # lora_B = 0: the base itself
     _randomize_lora_b(peft_model)
     for span in ("answer", "all"):
         got = kl_to_base(peft_model, tokenizer, rows, SYSTEM, batch_size=4, span=span)
@@ -181,8 +191,12 @@ def test_by_lambda():
 
 def test_fit_line():
     fit = fit_line([0.0, 1.0, 2.0, 3.0], [1.0, 3.0, 5.0, 7.0])
-    assert (fit.slope, fit.intercept, fit.r2, fit.note) == (pytest.approx(2.0), pytest.approx(1.0),
-                                                            pytest.approx(1.0), "")
+    assert (fit.slope, fit.intercept, fit.r2, fit.note) == (
+        pytest.approx(2.0),
+        pytest.approx(1.0),
+        pytest.approx(1.0),
+        "",
+    )
     flat = fit_line([0.0, 1.0, 2.0], [0.5, 0.5, 0.5])
     assert flat.slope == 0.0 and math.isnan(flat.r2) and "R²" in flat.note
     assert math.isnan(fit_line([1.0, 1.0], [0.0, 1.0]).slope)
@@ -195,9 +209,14 @@ def _numbers(text: str) -> set[str]:
 
 
 def test_verdict_helps():
-    results = [_point(0.0, 0, 0.30, 0.50), _point(0.0, 1, 0.20, 0.40),
-               _point(0.1, 0, 0.06, 0.40), _point(0.1, 1, 0.04, 0.30),
-               _point(0.5, 0, 0.10, 0.20), _point(0.5, 1, 0.10, 0.10)]
+    results = [
+        _point(0.0, 0, 0.30, 0.50),
+        _point(0.0, 1, 0.20, 0.40),
+        _point(0.1, 0, 0.06, 0.40),
+        _point(0.1, 1, 0.04, 0.30),
+        _point(0.5, 0, 0.10, 0.20),
+        _point(0.5, 1, 0.10, 0.10),
+    ]
     v = sweep_verdict(results)
     assert v.status == OK
     assert v.headline.startswith("HARI helps: λ = 0.1 ")
@@ -215,8 +234,12 @@ def test_verdict_single_seed_is_not_confirmed():
 
 
 def test_verdict_does_not_help():
-    results = [_point(0.0, 0, 0.30, 0.50), _point(0.0, 1, 0.20, 0.40),
-               _point(0.1, 0, 0.28, 0.40), _point(0.1, 1, 0.16, 0.40)]
+    results = [
+        _point(0.0, 0, 0.30, 0.50),
+        _point(0.0, 1, 0.20, 0.40),
+        _point(0.1, 0, 0.28, 0.40),
+        _point(0.1, 1, 0.16, 0.40),
+    ]
     v = sweep_verdict(results)
     assert v.status == WARN
     assert v.headline.startswith("the KL term does NOT help: the best λ = 0.1")
@@ -225,8 +248,12 @@ def test_verdict_does_not_help():
 
 
 def test_verdict_less_forgetting_bought_with_less_learning_is_a_trade_off():
-    results = [_point(0.0, 0, 0.80, 0.30), _point(0.0, 1, 0.84, 0.32),
-               _point(2.0, 0, 0.60, 0.10), _point(2.0, 1, 0.62, 0.12)]
+    results = [
+        _point(0.0, 0, 0.80, 0.30),
+        _point(0.0, 1, 0.84, 0.32),
+        _point(2.0, 0, 0.60, 0.10),
+        _point(2.0, 1, 0.62, 0.12),
+    ]
     v = sweep_verdict(results)
     assert v.status == WARN
     assert v.headline.startswith("a trade-off, not a free gain: λ = 2 cuts the A drop from 0.820 to 0.610")
@@ -255,10 +282,16 @@ def test_figures():
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
 
-    results = [_point(lam, s, 0.3 - lam + 0.01 * s, 0.4, kl_a=0.5 - lam) for lam in (0.0, 0.1, 0.2) for s in (0, 1)]
+    results = [
+        _point(lam, s, 0.3 - lam + 0.01 * s, 0.4, kl_a=0.5 - lam) for lam in (0.0, 0.1, 0.2) for s in (0, 1)
+    ]
     fig = frontier_figure(results)
     assert isinstance(fig, Figure)
-    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["λ=0 (n=2)", "λ=0.1 (n=2)", "λ=0.2 (n=2)"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "λ=0 (n=2)",
+        "λ=0.1 (n=2)",
+        "λ=0.2 (n=2)",
+    ]
     fig2 = kl_figure(results)
     labels = [t.get_text() for t in fig2.axes[0].get_legend().get_texts()]
     fit = fit_line([r.kl_a for r in results], [r.a_drop for r in results])

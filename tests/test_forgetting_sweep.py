@@ -17,7 +17,9 @@ def test_the_runner_counts_points_and_refuses_one_outside_the_sweep(tmp_path):
     base = [sys.executable, "-m", "dsr1kit.steps.forgetting_sweep", *REDUCED]
     count = subprocess.run([*base, "--count"], capture_output=True, text=True, cwd=ROOT)
     assert count.returncode == 0 and count.stdout.strip() == "4"
-    bad = subprocess.run([*base, "--run-dir", str(tmp_path), "--point", "4"], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run(
+        [*base, "--run-dir", str(tmp_path), "--point", "4"], capture_output=True, text=True, cwd=ROOT
+    )
     assert bad.returncode == 2 and "outside the sweep's 4 points (0-3)" in bad.stderr
     no_dir = subprocess.run([*base, "--point", "0"], capture_output=True, text=True, cwd=ROOT)
     assert no_dir.returncode == 2 and "--point needs --run-dir" in no_dir.stderr
@@ -30,7 +32,12 @@ def test_points_are_lambda_major_and_each_is_a_notebook_20_run_with_its_lambda_a
 
     p = P.load("40_forgetting_sweep", overrides={"lambdas": [0, 0.9], "seeds": [0, 1], "hari": {"epochs": 3}})
     pts = sweep.points(p)
-    assert [(pt.index, pt.lambda_kl, pt.seed) for pt in pts] == [(0, 0, 0), (1, 0, 1), (2, 0.9, 0), (3, 0.9, 1)]
+    assert [(pt.index, pt.lambda_kl, pt.seed) for pt in pts] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 0.9, 0),
+        (3, 0.9, 1),
+    ]
     hp = sweep.point_params(p, pts[3], tmp_path)
     assert (hp.lambda_kl, hp.seed, hp.epochs, hp.dataset) == (0.9, 1, 3, "data/task_b_train.jsonl")
     assert hp.run_dir == str(tmp_path / "points" / "lambda0.9-seed1")

@@ -11,23 +11,43 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 LAMBDAS, SEEDS = [0, 0.9], [0, 1]
-SWEEP = ["params/tiny/40_forgetting_sweep.yaml", "-p", "lambdas", "[0, 0.9]", "-p", "seeds", "[0, 1]",
-         "-p", "hari", "{max_steps: 4, sample_limit: 32, log_every: 2}", "-p", "eval_limit", "24"]
+SWEEP = [
+    "params/tiny/40_forgetting_sweep.yaml",
+    "-p",
+    "lambdas",
+    "[0, 0.9]",
+    "-p",
+    "seeds",
+    "[0, 1]",
+    "-p",
+    "hari",
+    "{max_steps: 4, sample_limit: 32, log_every: 2}",
+    "-p",
+    "eval_limit",
+    "24",
+]
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    return {"DSR1KIT_RUN_DIR": str(tmp / "run"), "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-            "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1",
-            # a CPU sweep: no GPU request for the points (nor the report), 2 of a test node's 16 CPUs each
-            "GPUS_PER_TASK": "0", "CPUS_PER_TASK": "2", "REPORT_CPUS_PER_TASK": "2",
-            "SBATCH_ARGS": f"--output={tmp}/%x-%j.out"}
+    return {
+        "DSR1KIT_RUN_DIR": str(tmp / "run"),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        # a CPU sweep: no GPU request for the points (nor the report), 2 of a test node's 16 CPUs each
+        "GPUS_PER_TASK": "0",
+        "CPUS_PER_TASK": "2",
+        "REPORT_CPUS_PER_TASK": "2",
+        "SBATCH_ARGS": f"--output={tmp}/%x-%j.out",
+    }
 
 
 def _time(value: str) -> dt.datetime:
@@ -75,28 +95,35 @@ def test_one_point_per_array_task_then_a_report_that_trains_nothing(slurm, tmp_p
         results.append(json.loads((folder / "result.json").read_text()))
         assert (results[-1]["lambda_kl"], results[-1]["seed"]) == (lam, seed)
         assert (folder / "adapter" / "adapter_model.safetensors").is_file()
-    assert sorted(p.name for p in (run / "points").iterdir() if p.is_dir()) == \
-        sorted(f"lambda{lam:g}-seed{seed}" for lam, seed in points)
+    assert sorted(p.name for p in (run / "points").iterdir() if p.is_dir()) == sorted(
+        f"lambda{lam:g}-seed{seed}" for lam, seed in points
+    )
 
     summary = json.loads((run / "summary.json").read_text())
     assert _canonical(summary["points"]) == _canonical(results)
     assert "Verdict" in (run / "report.html").read_text()
     # the report's numbers are computed from the points' own results: per-λ statistics, the fit, the verdict
-    from dsr1kit.measure import forgetting
+    from dsr1kit.measure import sweep
 
-    measured = [forgetting.PointResult.from_dict(r) for r in results]
-    assert _canonical(summary["by_lambda"]) == _canonical([s.to_dict() for s in forgetting.by_lambda(measured)])
-    fit = forgetting.fit_line([r.kl_a for r in measured], [r.a_drop for r in measured])
-    assert _canonical([summary["forgetting_vs_kl"]]) == _canonical([{"slope": fit.slope, "intercept": fit.intercept,
-                                                                      "r2": fit.r2}])
-    assert summary["headline"] == forgetting.sweep_verdict(measured).headline
-    assert (run / "figures" / "frontier.png").is_file() and (run / "figures" / "forgetting_vs_kl.png").is_file()
+    measured = [sweep.PointResult.from_dict(r) for r in results]
+    assert _canonical(summary["by_lambda"]) == _canonical([s.to_dict() for s in sweep.by_lambda(measured)])
+    fit = sweep.fit_line([r.kl_a for r in measured], [r.a_drop for r in measured])
+    assert _canonical([summary["forgetting_vs_kl"]]) == _canonical(
+        [{"slope": fit.slope, "intercept": fit.intercept, "r2": fit.r2}]
+    )
+    assert summary["headline"] == sweep.sweep_verdict(measured).headline
+    assert (run / "figures" / "frontier.png").is_file() and (
+        run / "figures" / "forgetting_vs_kl.png"
+    ).is_file()
 
     # the report job trained nothing: no HARI steps in its log, and nothing under points/ was written after
     # it started (the times Slurm shows are whole seconds: one of slack for what the array wrote last)
     assert "sweep points" in report.output and "HARI steps" not in report.output, report.output[-3000:]
-    late = [str(f) for f in (run / "points").rglob("*")
-            if dt.datetime.fromtimestamp(f.stat().st_mtime) >= start + dt.timedelta(seconds=1)]
+    late = [
+        str(f)
+        for f in (run / "points").rglob("*")
+        if dt.datetime.fromtimestamp(f.stat().st_mtime) >= start + dt.timedelta(seconds=1)
+    ]
     assert not late, late
 
 
@@ -105,7 +132,9 @@ def _wait_for_training(slurm, job: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = Path(slurm.job_fields(job).get("StdOut", "/nonexistent"))
-        if out.is_file() and re.search(r"HARI steps: +\d+%\|[^|]*\| [1-9]\d*/", out.read_text(errors="replace")):
+        if out.is_file() and re.search(
+            r"HARI steps: +\d+%\|[^|]*\| [1-9]\d*/", out.read_text(errors="replace")
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(f"{job} started no training: {slurm.job_fields(job)}")
@@ -115,8 +144,21 @@ def test_a_point_warned_before_its_time_limit_checkpoints_requeues_and_resumes(s
     """What Slurm sends 120 s before an array task's limit (--signal=B:USR1@120), by hand while the point
     trains: it checkpoints, the task requeues itself, the report keeps waiting, and the requeued task (same
     point folder) resumes from the checkpoint instead of starting over."""
-    sweep = ["params/tiny/40_forgetting_sweep.yaml", "-p", "lambdas", "[0, 0.9]", "-p", "seeds", "[0]",
-             "-p", "hari", "{max_steps: 60, epochs: 50, sample_limit: 32, log_every: 2}", "-p", "eval_limit", "24"]
+    sweep = [
+        "params/tiny/40_forgetting_sweep.yaml",
+        "-p",
+        "lambdas",
+        "[0, 0.9]",
+        "-p",
+        "seeds",
+        "[0]",
+        "-p",
+        "hari",
+        "{max_steps: 60, epochs: 50, sample_limit: 32, log_every: 2}",
+        "-p",
+        "eval_limit",
+        "24",
+    ]
     submit = slurm.run("bash", "slurm/forgetting_sweep.sh", *sweep, env=_env(tmp_path), cwd=ROOT, timeout=60)
     assert submit.returncode == 0, submit.stderr
     array_id = int(re.search(r"^array job: (\d+) \(2 points", submit.stdout, re.M).group(1))
@@ -140,5 +182,7 @@ def test_a_point_warned_before_its_time_limit_checkpoints_requeues_and_resumes(s
 
     report = slurm.wait_job(report_id, timeout=150)
     assert report.state == "COMPLETED", report.output[-4000:]
-    assert _time(slurm.job_fields(report_id)["StartTime"]) >= _time(slurm.job_fields(f"{array_id}_0")["EndTime"])
+    assert _time(slurm.job_fields(report_id)["StartTime"]) >= _time(
+        slurm.job_fields(f"{array_id}_0")["EndTime"]
+    )
     assert len(json.loads((run / "summary.json").read_text())["points"]) == 2

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hari_support import adapted_model_and_batch
 
 from dsr1kit import params
 from dsr1kit.train.hari import fast_loss, naive_loss
-
-from hari_support import adapted_model_and_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
@@ -44,13 +43,18 @@ def test_nf4_model_is_quantized_on_cuda_with_fp32_routing():
     assert linears4 and all(m.weight.device.type == "cuda" for m in linears4)
     gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
     seen: list[torch.dtype] = []
-    hooks = [g.register_forward_hook(lambda _m, _i, out: seen.append(
-        (out[0] if isinstance(out, tuple) else out).dtype)) for g in gates]
+    hooks = [
+        g.register_forward_hook(
+            lambda _m, _i, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype)
+        )
+        for g in gates
+    ]
     with torch.no_grad():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     for h in hooks:
         h.remove()
-    assert gates and seen and set(seen) == {torch.float32}   # routing in fp32: bf16 logits change the chosen experts
+    # routing in fp32: bf16 logits change the chosen experts
+    assert gates and seen and set(seen) == {torch.float32}
 
 
 def test_fast_equals_naive_on_cuda_nf4_bf16():
@@ -65,13 +69,42 @@ def test_fast_equals_naive_on_cuda_nf4_bf16():
 
 
 def test_qlora_training_run_on_cuda(tmp_path):
-    """`python -m dsr1kit.train` with NF4 on the GPU: PagedAdamW8bit, per-GPU peak memory, a learned adapter."""
+    """`python -m dsr1kit train` with NF4 on the GPU: PagedAdamW8bit, per-GPU peak memory, a learned adapter."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "dsr1kit.train", "-f", "params/tiny/20_hari_training.yaml", "--run-dir", str(run_dir),
-         "-p", "quantization", "nf4", "-p", "dtype", "bfloat16", "-p", "device_map", "contiguous",
-         "-p", "max_steps", "6", "-p", "log_every", "2", "-p", "sample_limit", "64"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "dsr1kit",
+            "train",
+            "-f",
+            "params/tiny/20_hari_training.yaml",
+            "--run-dir",
+            str(run_dir),
+            "-p",
+            "quantization",
+            "nf4",
+            "-p",
+            "dtype",
+            "bfloat16",
+            "-p",
+            "device_map",
+            "contiguous",
+            "-p",
+            "max_steps",
+            "6",
+            "-p",
+            "log_every",
+            "2",
+            "-p",
+            "sample_limit",
+            "64",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and all("cuda:0" in r["peak_memory_gib"] for r in rows)
@@ -81,15 +114,42 @@ def test_qlora_training_run_on_cuda(tmp_path):
 
     tensors = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     lora_b = [t for k, t in tensors.items() if "lora_B" in k]
-    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)   # it learned (lora_B starts at zero)
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # it learned (lora_B starts at zero)
 
 
 def _train_on_cuda(run_dir: Path, *extra: str) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "dsr1kit.train", "-f", "params/tiny/20_hari_training.yaml", "--run-dir", str(run_dir),
-         "-p", "dtype", "bfloat16", "-p", "device_map", "contiguous", "-p", "max_steps", "6", "-p", "log_every", "1",
-         "-p", "sample_limit", "64", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "dsr1kit",
+            "train",
+            "-f",
+            "params/tiny/20_hari_training.yaml",
+            "--run-dir",
+            str(run_dir),
+            "-p",
+            "dtype",
+            "bfloat16",
+            "-p",
+            "device_map",
+            "contiguous",
+            "-p",
+            "max_steps",
+            "6",
+            "-p",
+            "log_every",
+            "1",
+            "-p",
+            "sample_limit",
+            "64",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -100,8 +160,16 @@ def test_training_from_a_prefix_cache_built_with_nf4_experts_on_cuda(tmp_path, c
     layer in bf16 (default) or NF4, on cuda:0, with PagedAdamW8bit; the first step's loss is the uncached one's."""
     nf4 = ["-p", "quantization", "nf4", "-p", "quantize_experts", "true"]
     plain = _train_on_cuda(tmp_path / "plain", *nf4)
-    cached = _train_on_cuda(tmp_path / "cached", *nf4, "-p", "prefix_cache", str(tmp_path / "cache"),
-                            "-p", "cached_layers_nf4", str(cached_nf4).lower())
+    cached = _train_on_cuda(
+        tmp_path / "cached",
+        *nf4,
+        "-p",
+        "prefix_cache",
+        str(tmp_path / "cache"),
+        "-p",
+        "cached_layers_nf4",
+        str(cached_nf4).lower(),
+    )
     info = json.loads((tmp_path / "cached" / "run_info.json").read_text())
     assert info["optimizer"] == "PagedAdamW8bit" and info["model"]["placement"] == "cuda:0"
     assert info["model"]["quantize_experts"] is cached_nf4 and info["prefix_cache"]["dtype"] == "bfloat16"
@@ -112,6 +180,9 @@ def test_training_from_a_prefix_cache_built_with_nf4_experts_on_cuda(tmp_path, c
     assert abs(cached[0]["loss"] - plain[0]["loss"]) <= tolerance * plain[0]["loss"], (cached[0], plain[0])
     from safetensors.torch import load_file
 
-    lora_b = [t for k, t in load_file(tmp_path / "cached" / "adapter" / "adapter_model.safetensors").items()
-              if "lora_B" in k]
+    lora_b = [
+        t
+        for k, t in load_file(tmp_path / "cached" / "adapter" / "adapter_model.safetensors").items()
+        if "lora_B" in k
+    ]
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,11 +20,19 @@ NODES, GPUS_PER_NODE = 2, 2
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    return {"DSR1KIT_RUN_DIR": str(tmp / "run"), "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-            "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1",
-            # the test nodes: 16 CPUs and 8 emulated GPUs each; 2 GPUs per node → 2 training tasks per node
-            "GPUS_PER_NODE": str(GPUS_PER_NODE), "PREFIX_CPUS_PER_TASK": "2", "CPUS_PER_TASK": "2",
-            "SBATCH_ARGS": f"--output={tmp}/%x-%j.out"}
+    return {
+        "DSR1KIT_RUN_DIR": str(tmp / "run"),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        # the test nodes: 16 CPUs and 8 emulated GPUs each; 2 GPUs per node → 2 training tasks per node
+        "GPUS_PER_NODE": str(GPUS_PER_NODE),
+        "PREFIX_CPUS_PER_TASK": "2",
+        "CPUS_PER_TASK": "2",
+        "SBATCH_ARGS": f"--output={tmp}/%x-%j.out",
+    }
 
 
 def _time(value: str) -> dt.datetime:
@@ -49,10 +56,37 @@ def _wait_for_step(slurm, job_id: int, timeout: float = 120) -> None:
 def test_prefix_job_then_one_process_per_gpu_trains_from_the_complete_cache(slurm, tmp_path):
     cache = tmp_path / "cache"
     # small micro-batches and shards: the tiny data makes several shards, so both prefix tasks write some
-    submit = slurm.run("bash", "slurm/hari_cached.sh", "params/tiny/20_hari_training.yaml", "-N", str(NODES),
-                       "-p", "sample_limit", "48", "-p", "epochs", "20", "-p", "max_steps", "4", "-p", "log_every", "1",
-                       "-p", "prefix_tokens_per_batch", "512", "-p", "prefix_shard_mib", "0.25",
-                       "-p", "prefix_cache", str(cache), env=_env(tmp_path), cwd=ROOT, timeout=60)
+    submit = slurm.run(
+        "bash",
+        "slurm/hari_cached.sh",
+        "params/tiny/20_hari_training.yaml",
+        "-N",
+        str(NODES),
+        "-p",
+        "sample_limit",
+        "48",
+        "-p",
+        "epochs",
+        "20",
+        "-p",
+        "max_steps",
+        "4",
+        "-p",
+        "log_every",
+        "1",
+        "-p",
+        "prefix_tokens_per_batch",
+        "512",
+        "-p",
+        "prefix_shard_mib",
+        "0.25",
+        "-p",
+        "prefix_cache",
+        str(cache),
+        env=_env(tmp_path),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert submit.returncode == 0, submit.stderr
     prefix_id = int(re.search(r"^prefix job: (\d+)", submit.stdout, re.M).group(1))
     train_id = int(re.search(r"^training job: (\d+)", submit.stdout, re.M).group(1))
@@ -63,7 +97,8 @@ def test_prefix_job_then_one_process_per_gpu_trains_from_the_complete_cache(slur
     prefix_fields, train_fields = slurm.job_fields(prefix_id), slurm.job_fields(train_id)
     assert prefix_fields["NumNodes"].startswith("2") and prefix_fields["NumTasks"] == "2", prefix_fields
     assert train_fields["NumTasks"] == str(NODES * GPUS_PER_NODE), train_fields
-    assert f"gpu:{GPUS_PER_NODE}" in prefix_fields["TresPerNode"] and f"gpu:{GPUS_PER_NODE}" in train_fields["TresPerNode"]
+    gpus = f"gpu:{GPUS_PER_NODE}"
+    assert gpus in prefix_fields["TresPerNode"] and gpus in train_fields["TresPerNode"]
     assert f"afterok:{prefix_id}" in train_fields["Dependency"], train_fields
 
     # What Slurm sends 120 s before the prefix job's limit (--signal=B:USR1@120), by hand while its step runs:
@@ -92,7 +127,9 @@ def test_prefix_job_then_one_process_per_gpu_trains_from_the_complete_cache(slur
     assert "prefix cache complete: " in train_job.output  # the batch script's check, before any task started
 
     info = json.loads((run / "run_info.json").read_text())
-    assert info["world_size"] == NODES * GPUS_PER_NODE and info["ranks_agree"] and info["steps_done"] == 4, info
+    assert info["world_size"] == NODES * GPUS_PER_NODE and info["ranks_agree"] and info["steps_done"] == 4, (
+        info
+    )
     pc = info["prefix_cache"]
     assert pc["folder"] == str(cache) and pc["shards"] == len(layout["shards"])
     assert pc["built_here"] is None, pc  # complete before training started: nothing rebuilt on rank 0
@@ -102,9 +139,13 @@ def test_prefix_job_then_one_process_per_gpu_trains_from_the_complete_cache(slur
     for rank in range(1, NODES * GPUS_PER_NODE):  # every other rank ran the notebook, in its own folder
         status = json.loads((run / "ranks" / f"rank{rank}" / "status.json").read_text())
         assert status["rank"] == rank and status["status"] == "ok", status
-        assert "cache hit" in (run / "ranks" / f"rank{rank}" / "report.html").read_text()  # nothing rebuilt there
+        assert (
+            "cache hit" in (run / "ranks" / f"rank{rank}" / "report.html").read_text()
+        )  # nothing rebuilt there
     # no rank wrote a pass of its own: the only passes are the prefix job's two
-    assert sorted(p.name for p in cache.glob("passes-task*.jsonl")) == [f"passes-task{t}.jsonl" for t in range(NODES)]
+    assert sorted(p.name for p in cache.glob("passes-task*.jsonl")) == [
+        f"passes-task{t}.jsonl" for t in range(NODES)
+    ]
     html = (run / "report.html").read_text()
     for text in ("Prefix cache", "cache hit", "Verdict: OK"):
         assert text in html, text
@@ -114,10 +155,24 @@ def test_training_job_without_a_complete_cache_stops_before_any_task(slurm, tmp_
     """Submitted by hand with no prefix pass before it: the batch script refuses, with the cause, instead of
     letting every task load the whole model to fill the cache."""
     empty = tmp_path / "no-cache"
-    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "-N", "1", "--ntasks-per-node=2", "--gpus-per-node=2",
-                          "--cpus-per-task=2", "slurm/hari_cached.sbatch", "params/tiny/20_hari_training.yaml",
-                          "-p", "sample_limit", "48", "-p", "prefix_cache", str(empty),
-                          env=_env(tmp_path), cwd=ROOT)
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
+        "-N",
+        "1",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=2",
+        "--cpus-per-task=2",
+        "slurm/hari_cached.sbatch",
+        "params/tiny/20_hari_training.yaml",
+        "-p",
+        "sample_limit",
+        "48",
+        "-p",
+        "prefix_cache",
+        str(empty),
+        env=_env(tmp_path),
+        cwd=ROOT,
+    )
     job = slurm.wait_job(job_id, timeout=120)
     assert job.state == "FAILED", job.output[-3000:]
     assert "holds no prefix cache" in job.output and "hari_cached.sh" in job.output, job.output[-3000:]

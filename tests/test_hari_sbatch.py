@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,28 +15,52 @@ pytestmark = pytest.mark.slow
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    return {"DSR1KIT_RUN_DIR": str(tmp / "run"), "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-            "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1"}
+    return {
+        "DSR1KIT_RUN_DIR": str(tmp / "run"),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _submit(slurm, tmp: Path, *params: str, extra_env: dict[str, str] | None = None) -> int:
-    return slurm.sbatch(f"--output={tmp}/%x-%j.out", "-N", "2", "--cpus-per-task=2", "slurm/hari_train.sbatch",
-                        "params/tiny/20_hari_training.yaml", "-p", "sample_limit", "48", "-p", "epochs", "20", *params,
-                        env={**_env(tmp), **(extra_env or {})}, cwd=ROOT)
+    return slurm.sbatch(
+        f"--output={tmp}/%x-%j.out",
+        "-N",
+        "2",
+        "--cpus-per-task=2",
+        "slurm/hari_train.sbatch",
+        "params/tiny/20_hari_training.yaml",
+        "-p",
+        "sample_limit",
+        "48",
+        "-p",
+        "epochs",
+        "20",
+        *params,
+        env={**_env(tmp), **(extra_env or {})},
+        cwd=ROOT,
+    )
 
 
 SENTINEL = "hf_" + "SlurmSentinel0123456789abcd"
 
 
 def test_two_nodes_train_one_adapter_and_rank0_reports(slurm, tmp_path):
-    job = slurm.wait_job(_submit(slurm, tmp_path, "-p", "max_steps", "4", "-p", "log_every", "1",
-                                 extra_env={"HF_TOKEN": SENTINEL}), timeout=420)
+    job = slurm.wait_job(
+        _submit(
+            slurm, tmp_path, "-p", "max_steps", "4", "-p", "log_every", "1", extra_env={"HF_TOKEN": SENTINEL}
+        ),
+        timeout=420,
+    )
     assert job.state == "COMPLETED", job.output[-4000:]
     run = tmp_path / "run"
     info = json.loads((run / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["ranks_agree"] and info["steps_done"] == 4
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    assert json.loads((run / "status.json").read_text())["status"] == "ok"            # rank 0: the report
+    assert json.loads((run / "status.json").read_text())["status"] == "ok"  # rank 0: the report
     assert json.loads((run / "ranks" / "rank1" / "status.json").read_text())["rank"] == 1
     assert "Verdict: OK" in (run / "report.html").read_text()
     # a secret in the job's environment is in no file of the run and not in the Slurm log
@@ -46,7 +69,9 @@ def test_two_nodes_train_one_adapter_and_rank0_reports(slurm, tmp_path):
 
 
 def _metric_steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def _wait_for_checkpoint(slurm, latest: Path, at_least: int, timeout: float = 300) -> None:
@@ -70,7 +95,9 @@ def test_preemption_then_a_lost_node_each_resume_and_nothing_is_lost_or_repeated
     hand: every rank checkpoints, the job requeues itself and resumes. Then node n2 goes down mid-training
     (Slurm kills the job, NODE_FAIL; --requeue brings it back once the node returns): the rerun starts from
     the last checkpoint. Every step is logged exactly once and the run ends complete."""
-    job_id = _submit(slurm, tmp_path, "-p", "max_steps", "36", "-p", "save_every", "3", "-p", "log_every", "1")
+    job_id = _submit(
+        slurm, tmp_path, "-p", "max_steps", "36", "-p", "save_every", "3", "-p", "log_every", "1"
+    )
     run = tmp_path / "run"
     latest = run / "checkpoints" / "latest"
     _wait_for_checkpoint(slurm, latest, 3)
@@ -92,7 +119,8 @@ def test_preemption_then_a_lost_node_each_resume_and_nothing_is_lost_or_repeated
     assert job.state == "COMPLETED", out[-4000:] + "\n" + slurm.logs(tail=6000)
     assert "restart 1" in out and "restart 2" in out
     info = json.loads((run / "run_info.json").read_text())
-    assert info["steps_done"] == 36 and info["ranks_agree"] and (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert info["steps_done"] == 36 and info["ranks_agree"]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
     assert preempted_at + 6 <= info["resumed_from"] < 36  # the second restart resumed, not from scratch
     steps = _metric_steps(run)
     assert steps == list(range(1, 37)), steps  # each step logged once, none missing, across both restarts

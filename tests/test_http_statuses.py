@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from dsr1kit.cluster.rendezvous import free_port
-from dsr1kit.infer.client import CompletionClient, ClientError, Request, RequestRefused, read_answers
+from dsr1kit.infer.client import ClientError, CompletionClient, Request, RequestRefused, read_answers
 from dsr1kit.infer.server import PROBE_PROMPT, ServerError, ServerSpec, VLLMServer, rpc_base_env
 
 STUB = Path(__file__).with_name("http_stub.py")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StubSpec(ServerSpec):
     """The server spec with the stub's command instead of `vllm serve`."""
 
@@ -36,8 +36,13 @@ def _asked(server: VLLMServer) -> list[str]:
 
 
 def _stub(tmp_path: Path, mode: str, timeout: float = 60) -> VLLMServer:
-    spec = StubSpec(model="tiny", served_model_name="model", port=free_port(), mode=mode,
-                    log=str(tmp_path / f"asked-{mode}.jsonl"))
+    spec = StubSpec(
+        model="tiny",
+        served_model_name="model",
+        port=free_port(),
+        mode=mode,
+        log=str(tmp_path / f"asked-{mode}.jsonl"),
+    )
     return VLLMServer(spec, tmp_path / f"{mode}.log", ready_timeout_s=timeout)
 
 
@@ -49,15 +54,20 @@ def test_a_4xx_to_the_readiness_probe_fails_at_once_with_status_and_body(tmp_pat
             pass
     assert time.monotonic() - t0 < 60  # not the whole ready_timeout_s
     msg = str(err.value)
-    assert msg.startswith('the server answers a one-token completion with HTTP 404: {"error": {"message": '
-                          '"The model `model` does not exist."')
+    assert msg.startswith(
+        'the server answers a one-token completion with HTTP 404: {"error": {"message": '
+        '"The model `model` does not exist."'
+    )
     assert "check served_model_name / lora_name" in msg
     assert not server.alive()
 
 
 def test_a_server_that_never_gets_ready_says_what_it_last_answered(tmp_path):
-    with pytest.raises(ServerError, match=r"not ready after 3 s \(no /health 200; last answer: HTTP 503 to "
-                                          r"GET /health"):
+    with pytest.raises(
+        ServerError,
+        match=r"not ready after 3 s \(no /health 200; last answer: HTTP 503 to "
+        r"GET /health",
+    ):
         with _stub(tmp_path, "loading", timeout=3):
             pass
 
@@ -70,7 +80,10 @@ def test_a_refused_request_is_not_stored_and_the_rerun_asks_only_the_missing(tmp
         with pytest.raises(RequestRefused) as err:
             client.complete(requests, out, max_tokens=4)
     msg = str(err.value)
-    assert "the server refused a request for model 'model' with HTTP 400: " in msg and "max_tokens is too large" in msg
+    assert (
+        "the server refused a request for model 'model' with HTTP 400: " in msg
+        and "max_tokens is too large" in msg
+    )
     assert "answers kept in" in msg and "fix what the server refused and rerun to ask only the other" in msg
     kept = read_answers(out)
     assert "q-bad" not in kept and all(not row.get("error") for row in kept.values())
@@ -86,16 +99,19 @@ def test_a_refused_request_is_not_stored_and_the_rerun_asks_only_the_missing(tmp
 
 def test_error_rows_of_older_answer_files_are_asked_again(tmp_path):
     out = tmp_path / "answers.jsonl"
-    out.write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"id": "b", "text": "", "error": "HTTP 400"})
-                   + "\n")
+    rows = [{"id": "a", "text": "x"}, {"id": "b", "text": "", "error": "HTTP 400"}]
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert set(read_answers(out)) == {"a"}
 
 
 def test_5xx_is_retried_then_fails_with_the_count_kept(tmp_path):
     port = free_port()  # nothing listens: connection refused on every attempt
     client = CompletionClient(f"http://127.0.0.1:{port}", "model", retries=1, backoff_s=0.01)
-    with pytest.raises(ClientError, match=r"request failed after 2 attempts: .*; 0 of 1 answers kept in .*; restart "
-                                          r"the server and rerun"):
+    with pytest.raises(
+        ClientError,
+        match=r"request failed after 2 attempts: .*; 0 of 1 answers kept in .*; restart "
+        r"the server and rerun",
+    ):
         client.complete([Request("a", "p")], tmp_path / "a.jsonl", max_tokens=1)
 
 

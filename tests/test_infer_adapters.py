@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from infer_support import assert_gone, cpu_params, server_family
+from toy_models import build_tiny_llama, make_lora_adapter
 
 from dsr1kit.infer import adapters
 from dsr1kit.infer import evaluate as ev
-from dsr1kit.infer.server import VLLMServer, http_json
-
-from infer_support import assert_gone, cpu_params, server_family
-from toy_models import build_tiny_llama, make_lora_adapter
+from dsr1kit.infer.server import http_json
+from dsr1kit.steps import vllm_inference
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -26,15 +26,18 @@ pytestmark = pytest.mark.slow
 def llama(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
     base = build_tiny_llama(root / "base", tiny_dir)
-    return {"root": root, "base": str(base),
-            "attn": str(make_lora_adapter(base, root / "lora_attn", ["q_proj", "v_proj"])),  # vLLM applies it
-            "head": str(make_lora_adapter(base, root / "lora_head", ["lm_head"]))}           # vLLM mis-serves it
+    return {
+        "root": root,
+        "base": str(base),
+        "attn": str(make_lora_adapter(base, root / "lora_attn", ["q_proj", "v_proj"])),  # vLLM applies it
+        "head": str(make_lora_adapter(base, root / "lora_head", ["lm_head"])),
+    }  # vLLM mis-serves it
 
 
 def _serve(llama, adapter: str):
     """One server per adapter, as the notebook does (an lm_head LoRA would leak into other requests)."""
     p = cpu_params(served_model_name="base")
-    server = VLLMServer.from_params(p, llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter)
+    server = vllm_inference.server(p, llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter)
     with server:
         family = server_family(server)
         yield server
@@ -61,8 +64,10 @@ def sequences(llama):
 
 
 def _greedy(server, model, ids):
-    status, body = http_json(f"{server.base_url}/v1/completions",
-                             {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0})
+    status, body = http_json(
+        f"{server.base_url}/v1/completions",
+        {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0},
+    )
     assert status == 200, body
     return body["choices"][0]["text"]
 
@@ -92,19 +97,24 @@ def test_parity_flags_an_adapter_vllm_does_not_serve_as_trained(llama, head_serv
     assert r.verdict == "base-mismatch" and r.base_parity > r.tol
 
 
-@pytest.mark.parametrize("d_peft,d_base,effect,floor,expected", [
-    (0.01, 0.8, 0.8, 0.01, "applied"), (0.8, 0.01, 0.8, 0.01, "ignored"), (0.5, 0.5, 0.8, 0.01, "mismatch"),
-    (0.01, 0.01, 0.02, 0.01, "inconclusive"), (0.01, 0.8, 0.8, 0.8, "base-mismatch"),
-])
+@pytest.mark.parametrize(
+    "d_peft,d_base,effect,floor,expected",
+    [
+        (0.01, 0.8, 0.8, 0.01, "applied"),
+        (0.8, 0.01, 0.8, 0.01, "ignored"),
+        (0.5, 0.5, 0.8, 0.01, "mismatch"),
+        (0.01, 0.01, 0.02, 0.01, "inconclusive"),
+        (0.01, 0.8, 0.8, 0.8, "base-mismatch"),
+    ],
+)
 def test_verdict_table(d_peft, d_base, effect, floor, expected):
     assert adapters.verdict(d_peft, d_base, effect, floor, tol=0.1) == expected
 
 
 def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, sequences, tmp_path):
     """R1's path: the LoRA server's samples, then the merge served by vLLM as the reference (no transformers copy)."""
-    from dsr1kit.steps import vllm_inference
-    from dsr1kit.steps.vllm_inference import ServedEval
     from dsr1kit.plan import GIB, Machine
+    from dsr1kit.steps.vllm_inference import ServedEval
 
     samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences)
     # the merge does nothing if the server of "the merge" is the base itself: that is a failure
@@ -116,10 +126,15 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     # then the merged copy served, scored against the LoRA's samples and evaluated as the adapter
     from transformers import AutoTokenizer
 
-    p = cpu_params(served_model_name="base", adapter_mode="lora", lora_name="attn", parity_prompts=2, eval_limit=4)
+    p = cpu_params(
+        served_model_name="base", adapter_mode="lora", lora_name="attn", parity_prompts=2, eval_limit=4
+    )
     session = ServedEval(p, tmp_path, llama["base"], Path(llama["attn"]))
-    prompts = ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl", limit=4),
-                               AutoTokenizer.from_pretrained(llama["base"]), "You are DeepSeek-R1.")
+    prompts = ev.build_prompts(
+        ev.load_rows("data/eval_tiny.jsonl", limit=4),
+        AutoTokenizer.from_pretrained(llama["base"]),
+        "You are DeepSeek-R1.",
+    )
     try:
         session.start()  # the server's plan fits this machine; the fp32 reference is then planned for a host of 1 MiB
         session.machine = Machine(0, 0.0, 0.001 * GIB)
@@ -132,4 +147,6 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     assert parity.reference == adapters.SERVED_REFERENCE
     assert parity.verdict == "applied", parity.lines()  # vLLM serves this q/v LoRA as its merge computes
     assert parity.vllm_vs_peft < parity.tol < parity.adapter_effect
-    assert vllm_inference.verdict({}, session.parity).status == "ok"  # applied: no failure
+    assert (
+        vllm_inference.verdict(vllm_inference.EvalResult({}, session.parity)).status == "ok"
+    )  # applied: no failure

@@ -28,14 +28,17 @@ def test_prompts_use_the_training_chat_format(tokenizer, prompts):
 
     row = ev.load_rows("data/eval_tiny.jsonl")[0]
     text = tokenizer.decode(prompts[0].token_ids)
-    assert text == tokenizer.apply_chat_template(to_messages(row, "You are DeepSeek-R1.", with_answer=False),
-                                                 tokenize=False, add_generation_prompt=True)
+    assert text == tokenizer.apply_chat_template(
+        to_messages(row, "You are DeepSeek-R1.", with_answer=False),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert len(prompts) == 96 and text.endswith("<|assistant|>")
 
 
 def test_context_filter_counts_and_lists_excluded_ids(prompts):
     lengths = sorted(len(p.token_ids) for p in prompts)
-    budget = lengths[len(lengths) // 2]            # half of the prompts (or so) do not fit
+    budget = lengths[len(lengths) // 2]  # half of the prompts (or so) do not fit
     ctx = ev.filter_by_context(prompts, max_model_len=budget + 8, max_new_tokens=8)
     too_long = {p.id for p in prompts if len(p.token_ids) > budget}
     assert 0 < len(too_long) < len(prompts)
@@ -55,18 +58,23 @@ def test_scores_report_n_of_big_n_after_filtering(prompts):
     assert set(table["category"]) == {"all", "arithmetic", "words", "geography"}
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<think>\nhmm\n</think>\n<answer>\n113\n</answer>", "113"),
-    ("<answer>1</answer> then <answer> 2 </answer>", "2"),
-    ("<answer>\nParis", "Paris"),                     # cut by max_new_tokens: unclosed block counts
-    ("no tags at all", "no tags at all"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<think>\nhmm\n</think>\n<answer>\n113\n</answer>", "113"),
+        ("<answer>1</answer> then <answer> 2 </answer>", "2"),
+        ("<answer>\nParis", "Paris"),  # cut by max_new_tokens: unclosed block counts
+        ("no tags at all", "no tags at all"),
+    ],
+)
 def test_free_form_answer(text, expected):
     assert parse_answer(text).value == expected
 
 
-@pytest.mark.parametrize("answer,letter", [("B", "B"), ("(C)", "C"), ("D. Paris", "D"), ("paris", "D"),
-                                           ("The answer is A", "A"), ("E", None)])
+@pytest.mark.parametrize(
+    "answer,letter",
+    [("B", "B"), ("(C)", "C"), ("D. Paris", "D"), ("paris", "D"), ("The answer is A", "A"), ("E", None)],
+)
 def test_multiple_choice_letters(answer, letter):
     assert parse_answer(f"<answer>{answer}</answer>", 4, ["Rome", "Oslo", "Lima", "Paris"]).value == letter
 
@@ -77,8 +85,10 @@ def test_exact_match_ignores_case_space_and_trailing_punctuation():
     assert not ev.is_correct(p, "<answer>tenal</answer>")[0]
 
 
-@pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0),
-                                       (81, 96, 0.7581, 0.9030)])
+@pytest.mark.parametrize(
+    "k,n,lo,hi",
+    [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0), (81, 96, 0.7581, 0.9030)],
+)
 def test_wilson_interval(k, n, lo, hi):
     got = ev.wilson(k, n)
     assert got[0] == pytest.approx(lo, abs=1e-4) and got[1] == pytest.approx(hi, abs=1e-4)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from dsr1kit.infer.client import read_answers
-
 from infer_support import assert_no_server_left
 from toy_models import make_lora_adapter
+
+from dsr1kit.infer.client import read_answers
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -22,8 +21,21 @@ pytestmark = pytest.mark.slow
 def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_path):
     adapter = make_lora_adapter(tiny_dir, tmp_path / "adapter", ["q_b_proj", "o_proj"], layers=[2])
     runs = tmp_path / "runs"
-    res = cli("run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
-              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", str(adapter), "-p", "eval_limit", "16")
+    res = cli(
+        "run",
+        "notebooks/10_vllm_inference.ipynb",
+        "-f",
+        "params/tiny/10_vllm_inference.yaml",
+        "--runs-dir",
+        str(runs),
+        "-q",
+        "-p",
+        "lora_adapter",
+        str(adapter),
+        "-p",
+        "eval_limit",
+        "16",
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (run_dir,) = runs.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -33,23 +45,43 @@ def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_pa
     assert set(summary["load_phases"]) == {"base", "adapter (merged)"}
     base, merged = (read_answers(run_dir / "answers" / f"{k}.jsonl") for k in ("base", "adapter"))
     assert len(base) == len(merged) == 16
-    assert [base[i]["text"] for i in base] != [merged[i]["text"] for i in base]   # the merge changed the model
+    assert [base[i]["text"] for i in base] != [merged[i]["text"] for i in base]  # the merge changed the model
     assert json.loads((run_dir / "merged" / "config.json").read_text())["topk_method"] == "noaux_tc"
     assert (run_dir / "figures" / "latency.png").is_file() and (run_dir / "report.html").is_file()
-    assert (run_dir / "logs" / "server-base.log").is_file() and (run_dir / "logs" / "server-merged.log").is_file()
+    assert (run_dir / "logs" / "server-base.log").is_file() and (
+        run_dir / "logs" / "server-merged.log"
+    ).is_file()
     assert_no_server_left()
 
 
 def test_a_failing_cell_after_the_server_is_up_leaves_no_server(cli, tmp_path):
     """Every request times out (1 ms): the evaluation cell fails, the run is failed, the server is gone."""
     runs = tmp_path / "runs"
-    res = cli("run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
-              "--runs-dir", str(runs), "-q", "-p", "lora_adapter", "", "-p", "eval_limit", "4",
-              "-p", "request_timeout_s", "0.001", "-p", "retries", "0")
+    res = cli(
+        "run",
+        "notebooks/10_vllm_inference.ipynb",
+        "-f",
+        "params/tiny/10_vllm_inference.yaml",
+        "--runs-dir",
+        str(runs),
+        "-q",
+        "-p",
+        "lora_adapter",
+        "",
+        "-p",
+        "eval_limit",
+        "4",
+        "-p",
+        "request_timeout_s",
+        "0.001",
+        "-p",
+        "retries",
+        "0",
+    )
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     (run_dir,) = runs.iterdir()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["failed_cell"]["ename"] == "ClientError"
     assert "session.evaluate" in status["failed_cell"]["source"]
-    assert (run_dir / "logs" / "server-base.log").is_file()   # the server did come up first
+    assert (run_dir / "logs" / "server-base.log").is_file()  # the server did come up first
     assert_no_server_left()

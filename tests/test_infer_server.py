@@ -8,12 +8,12 @@ import threading
 import time
 
 import pytest
+from infer_support import assert_no_server_left, cpu_params
 
 from dsr1kit.infer import evaluate as ev
 from dsr1kit.infer.client import ClientError, read_answers
-from dsr1kit.infer.server import ServerError, VLLMServer
-
-from infer_support import assert_no_server_left, cpu_params
+from dsr1kit.infer.server import ServerError
+from dsr1kit.steps import vllm_inference
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -29,11 +29,13 @@ def prompts(tiny_dir):
 
 def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path):
     p = cpu_params(ready_timeout_s=3)
-    server = VLLMServer.from_params(p, tmp_path, str(tiny_dir))
+    server = vllm_inference.server(p, tmp_path, str(tiny_dir))
     server.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until vLLM itself has written a line (after the kit's "$ command")
-        own = [ln for ln in server.log_path.read_text().splitlines() if ln.strip() and not ln.startswith("$ ")]
+        own = [
+            ln for ln in server.log_path.read_text().splitlines() if ln.strip() and not ln.startswith("$ ")
+        ]
         if own:
             break
         time.sleep(0.5)
@@ -41,15 +43,20 @@ def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path
         server.wait_ready()  # the 3 s are over: fails at once
     msg = str(err.value)
     assert "not ready after 3 s" in msg and "ready_timeout_s" in msg
-    assert "last lines:" in msg and own[-1] in msg.split("last lines:")[1]  # vLLM's own output, not our header
+    assert (
+        "last lines:" in msg and own[-1] in msg.split("last lines:")[1]
+    )  # vLLM's own output, not our header
     assert not server.alive()
     assert_no_server_left()
 
 
-def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_rest(tiny_dir, tmp_path, prompts):
+def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_rest(
+    tiny_dir, tmp_path, prompts
+):
     p = cpu_params(max_new_tokens=32, concurrency=4)
+    client = vllm_inference.client_config(p)
     out = ev.results_path(tmp_path, "base")
-    first = VLLMServer.from_params(p, tmp_path, str(tiny_dir), name="first")
+    first = vllm_inference.server(p, tmp_path, str(tiny_dir), name="first")
     with first:
         assert first.phases["first_completion_s"] >= first.phases["health_s"] > 0
 
@@ -61,20 +68,22 @@ def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_re
         killer = threading.Thread(target=kill_after_some_answers, daemon=True)
         killer.start()
         with pytest.raises(ClientError, match="answers kept in .*rerun to ask only the other"):
-            ev.run_eval(first.base_url, p.served_model_name, prompts, out, p, progress=False)
+            ev.run_eval(first.base_url, p.served_model_name, prompts, out, client, progress=False)
         killer.join(5)
     kept = read_answers(out)
     assert 12 <= len(kept) < len(prompts)
     assert_no_server_left()
 
-    with VLLMServer.from_params(p, tmp_path, str(tiny_dir), name="second") as second:
-        stats = ev.run_eval(second.base_url, p.served_model_name, prompts, out, p, progress=False)
+    with vllm_inference.server(p, tmp_path, str(tiny_dir), name="second") as second:
+        stats = ev.run_eval(second.base_url, p.served_model_name, prompts, out, client, progress=False)
     assert stats.skipped == len(kept)
-    assert not set(stats.requested) & set(kept)                  # answered ids are never asked again
+    assert not set(stats.requested) & set(kept)  # answered ids are never asked again
     assert len(stats.requested) == len(prompts) - len(kept)
     answers = read_answers(out)
     assert set(answers) == {pr.id for pr in prompts}
-    assert all(a["completion_tokens"] > 0 and "error" not in a for a in answers.values())   # the server answers
-    assert sum(bool(a["text"]) for a in answers.values()) > len(answers) / 2   # (a few greedy answers are EOS)
+    assert all(
+        a["completion_tokens"] > 0 and "error" not in a for a in answers.values()
+    )  # the server answers
+    assert sum(bool(a["text"]) for a in answers.values()) > len(answers) / 2  # (a few greedy answers are EOS)
     assert stats.tokens_per_s > 0 and stats.percentiles()["p50"] > 0
     assert_no_server_left()

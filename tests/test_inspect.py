@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsr1kit import params, steps
-from dsr1kit.steps import adapter_inspection
 from dsr1kit.inspection.adapter import AdapterError, inspect_adapter, read_adapter
-from dsr1kit.measure.compare import compare_on, encode_probe
 from dsr1kit.inspection.merge import merge_into_copy, verify_merge
+from dsr1kit.measure.compare import compare_on, encode_probe
+from dsr1kit.steps import adapter_inspection
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "base_model.model.model.layers.2.self_attn.q_a_proj.lora_{}.weight"
@@ -28,9 +28,28 @@ def hari_run(tmp_path_factory):
     """runs/<…-20_hari_training-…>/adapter from 6 HARI steps on 48 rows (rows 48+ are held out)."""
     runs = tmp_path_factory.mktemp("runs")
     run_dir = runs / "20261129T000000Z-20_hari_training-abcdef"
-    proc = subprocess.run([sys.executable, "-m", "dsr1kit.train", "-f", "params/tiny/20_hari_training.yaml",
-                           "-p", "sample_limit", "48", "-p", "max_steps", "6", "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsr1kit",
+            "train",
+            "-f",
+            "params/tiny/20_hari_training.yaml",
+            "-p",
+            "sample_limit",
+            "48",
+            "-p",
+            "max_steps",
+            "6",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return runs, run_dir / "adapter"
 
@@ -74,7 +93,9 @@ def test_training_slice_held_out_and_retain_probes(adapted):
     results = adapter_inspection.compare_all(model, tok, sets, p)
     for r in results:
         assert r.kl_mean > 0 and 0 < r.top1_agreement <= 1 and r.tokens == len(r.kl_per_token)
-    verdict = adapter_inspection.verdict(inspect_adapter(adapter, model), results)
+    verdict = adapter_inspection.verdict(
+        adapter_inspection.Inspection(inspect_adapter(adapter, model), results)
+    )
     assert verdict.headline.startswith("CE on the training slice") and verdict.status in ("ok", "warn")
     assert verdict.lines[0] == "lora_B is non-zero in every module"
     steps.finish(verdict)  # not a failure
@@ -90,13 +111,21 @@ def test_kl_and_agreement_equal_an_independent_computation(adapted, tiny_dir):
     examples = encode_probe(tok, adapter_inspection.probe_sets(p, adapter.path)["retain"], 128, "")
     res = compare_on(model, examples, "retain")
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
-                                       str(adapter.path)).merge_and_unload().eval()
+    merged = (
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), str(adapter.path)
+        )
+        .merge_and_unload()
+        .eval()
+    )
     kls, agree, n = [], 0, 0
     with torch.no_grad():
         for ids, _ in examples:
             x = torch.tensor([ids])
-            log_b, log_a = base(input_ids=x).logits[0].log_softmax(-1), merged(input_ids=x).logits[0].log_softmax(-1)
+            log_b, log_a = (
+                base(input_ids=x).logits[0].log_softmax(-1),
+                merged(input_ids=x).logits[0].log_softmax(-1),
+            )
             kls.append(F.kl_div(log_a, log_b, log_target=True, reduction="none").sum(-1))
             agree += int((log_a.argmax(-1) == log_b.argmax(-1)).sum())
             n += len(ids)
@@ -112,15 +141,17 @@ def test_zero_adapter_moves_nothing(adapted, tmp_path):
     zero = tmp_path / "zero"
     shutil.copytree(adapter.path, zero)
     weights = load_file(zero / "adapter_model.safetensors")
-    save_file({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in weights.items()},
-              zero / "adapter_model.safetensors")
+    save_file(
+        {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in weights.items()},
+        zero / "adapter_model.safetensors",
+    )
     z = read_adapter(zero)
     model, tok, _ = adapter_inspection.load_adapted(p, z)
     rows = adapter_inspection.probe_sets(p, z.path)["retain"]
     res = compare_on(model, encode_probe(tok, rows, 128, ""), "retain")
     assert res.kl_mean == pytest.approx(0.0, abs=1e-9) and res.top1_agreement == 1.0
     assert res.ce_adapted == pytest.approx(res.ce_base)
-    verdict = adapter_inspection.verdict(inspect_adapter(z, model), [res])
+    verdict = adapter_inspection.verdict(adapter_inspection.Inspection(inspect_adapter(z, model), [res]))
     assert verdict.status == "fail" and "all zero" in verdict.headline
     with pytest.raises(adapter_inspection.InspectionFailed, match="all zero"):
         steps.finish(verdict)  # notebook 30's last call: the run fails
@@ -137,10 +168,13 @@ def test_merged_checkpoint_equals_base_plus_adapter(adapted, tmp_path, tiny_dir)
     for f in tiny_dir.glob("tokenizer*"):
         shutil.copy(f, fp32_base / f.name)
     merged_dir = merge_into_copy(fp32_base, adapter, tmp_path / "merged32")
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(fp32_base, dtype=torch.float32),
-                                     str(adapter.path))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(fp32_base, dtype=torch.float32), str(adapter.path)
+    )
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
-    ids = torch.tensor([encode_probe(tok, [{"text": "The old mill stood beside the harbour."}], 64, "")[0][0]])
+    ids = torch.tensor(
+        [encode_probe(tok, [{"text": "The old mill stood beside the harbour."}], 64, "")[0][0]]
+    )
     check = verify_merge(peft, merged, ids)
     assert check["max_abs_diff"] < 1e-4 and check["top1_agreement"] == 1.0
     # untouched shards are links/copies; only the adapted weights differ from the base
@@ -183,14 +217,36 @@ def test_adapter_for_another_base_model(adapted, tmp_path):
 
 def test_notebook_30_report(hari_run, cli, tmp_path):
     runs, adapter_dir = hari_run
-    proc = cli("run", "notebooks/30_adapter_inspection.ipynb", "-f", "params/tiny/30_adapter_inspection.yaml",
-               "-p", "n_probe", "6", "-p", "n_generate", "2", "-p", "max_new_tokens", "8",
-               "--runs-dir", str(runs), "-q")  # adapter_dir latest → the newest HARI adapter in runs/
+    proc = cli(
+        "run",
+        "notebooks/30_adapter_inspection.ipynb",
+        "-f",
+        "params/tiny/30_adapter_inspection.yaml",
+        "-p",
+        "n_probe",
+        "6",
+        "-p",
+        "n_generate",
+        "2",
+        "-p",
+        "max_new_tokens",
+        "8",
+        "--runs-dir",
+        str(runs),
+        "-q",
+    )  # adapter_dir latest → the newest HARI adapter in runs/
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next(d for d in runs.iterdir() if "30_adapter_inspection" in d.name)
     html = (run_dir / "report.html").read_text()
-    for text in ("norm_delta", "effective_rank", "KL(base‖adapted) mean", "held-out", "retain",
-                 "max_abs_diff", "Verdict: "):
+    for text in (
+        "norm_delta",
+        "effective_rank",
+        "KL(base‖adapted) mean",
+        "held-out",
+        "retain",
+        "max_abs_diff",
+        "Verdict: ",
+    ):
         assert text in html, text
     assert str(adapter_dir) in html
     assert (run_dir / "merged" / "model.safetensors").is_file()

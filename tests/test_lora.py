@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from dsr1kit import params
 from dsr1kit.model import lora, placement, quirks
 
 
 def _toy(names: list[str], n_layers: int = 3) -> nn.Module:
     """A decoder-shaped toy: model.layers[i].self_attn.<name> = Linear."""
+
     class Attn(nn.Module):
         def __init__(self):
             super().__init__()
@@ -30,16 +30,19 @@ def _toy(names: list[str], n_layers: int = 3) -> nn.Module:
     return root
 
 
-@pytest.mark.parametrize("present,chosen", [
-    (["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"], ["q_a_proj", "q_b_proj"]),
-    (["q_proj", "kv_b_proj", "o_proj"], ["kv_b_proj"]),
-    (["q_proj", "k_proj", "v_proj", "o_proj"], ["q_proj", "v_proj"]),
-    (["wq", "wk", "wv", "wo"], ["wq", "wv"]),
-    (["qkv_proj", "o_proj"], ["qkv_proj"]),
-    (["query_key_value", "dense"], ["query_key_value"]),
-    (["q_proj", "o_proj"], ["o_proj"]),  # q_proj without v_proj: the group does not match
-    (["wo", "other"], ["wo"]),
-])
+@pytest.mark.parametrize(
+    "present,chosen",
+    [
+        (["q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"], ["q_a_proj", "q_b_proj"]),
+        (["q_proj", "kv_b_proj", "o_proj"], ["kv_b_proj"]),
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ["q_proj", "v_proj"]),
+        (["wq", "wk", "wv", "wo"], ["wq", "wv"]),
+        (["qkv_proj", "o_proj"], ["qkv_proj"]),
+        (["query_key_value", "dense"], ["query_key_value"]),
+        (["q_proj", "o_proj"], ["o_proj"]),  # q_proj without v_proj: the group does not match
+        (["wo", "other"], ["wo"]),
+    ],
+)
 def test_targets_follow_the_recipe_preference(present, chosen):
     plan = lora.plan_lora(_toy(present), last_k=1)
     assert plan.targets == chosen
@@ -52,11 +55,17 @@ def test_last_k_layers_and_explicit_targets():
     assert plan.modules == ["model.layers.2.self_attn.o_proj", "model.layers.3.self_attn.o_proj"]
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"targets": ["nope"]}, r"lora_targets \['nope'\] not found in layers \[2\]; linears there: \['mlp', 'other'\]"),
-    ({"last_k": 9}, "lora_last_k_layers=9 but the model has 3 layers"),
-    ({}, "no attention linear from the preference list"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"targets": ["nope"]},
+            r"lora_targets \['nope'\] not found in layers \[2\]; linears there: \['mlp', 'other'\]",
+        ),
+        ({"last_k": 9}, "lora_last_k_layers=9 but the model has 3 layers"),
+        ({}, "no attention linear from the preference list"),
+    ],
+)
 def test_target_errors_say_what_exists(kwargs, message):
     with pytest.raises(lora.LoraTargetError, match=message):
         lora.plan_lora(_toy(["other"]), **kwargs)
@@ -66,8 +75,8 @@ def test_apply_lora_on_tiny_adapts_only_the_last_layer(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    p = params.HariParams(lora_r=4, lora_alpha=8)
-    peft_model, plan = lora.apply_lora(model, p)
+    cfg = lora.LoraConfig(r=4, alpha=8.0, dropout=0.0, last_k_layers=1, targets=())
+    peft_model, plan = lora.apply_lora(model, cfg)
     trainable = [n for n, q in peft_model.named_parameters() if q.requires_grad]
     assert trainable and all("layers.2.self_attn.q_" in n and "lora_" in n for n in trainable)
     summary = lora.lora_summary(peft_model, plan)
@@ -76,14 +85,17 @@ def test_apply_lora_on_tiny_adapts_only_the_last_layer(tiny_dir):
     assert summary["trainable_params"] == 4 * 256 + 64 * 4 + 4 * 64 + 384 * 4
 
 
-@pytest.mark.parametrize("sizes,n,head,tail,expected", [
-    ([1] * 8, 2, 0, 0, [0, 0, 0, 0, 1, 1, 1, 1]),
-    ([1] * 8, 4, 0, 0, [0, 0, 1, 1, 2, 2, 3, 3]),
-    ([1] * 6, 2, 2, 2, [0, 0, 0, 1, 1, 1]),
-    ([1] * 6, 3, 2, 0, [0, 1, 1, 2, 2, 2]),  # embeddings on GPU 0: it takes fewer layers (loads 3, 2, 3)
-    ([1, 1, 4, 4, 4, 4], 2, 0, 0, [0, 0, 0, 0, 1, 1]),  # balanced by size (10 vs 8), not by count
-    ([1] * 3, 1, 5, 5, [0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "sizes,n,head,tail,expected",
+    [
+        ([1] * 8, 2, 0, 0, [0, 0, 0, 0, 1, 1, 1, 1]),
+        ([1] * 8, 4, 0, 0, [0, 0, 1, 1, 2, 2, 3, 3]),
+        ([1] * 6, 2, 2, 2, [0, 0, 0, 1, 1, 1]),
+        ([1] * 6, 3, 2, 0, [0, 1, 1, 2, 2, 2]),  # embeddings on GPU 0: it takes fewer layers (loads 3, 2, 3)
+        ([1, 1, 4, 4, 4, 4], 2, 0, 0, [0, 0, 0, 0, 1, 1]),  # balanced by size (10 vs 8), not by count
+        ([1] * 3, 1, 5, 5, [0, 0, 0]),
+    ],
+)
 def test_contiguous_blocks_balance_by_size(sizes, n, head, tail, expected):
     assert placement.contiguous_blocks(sizes, n, head, tail) == expected
 
@@ -125,8 +137,14 @@ def test_remote_gates_stay_frozen_in_eval_after_every_train_call():
 
 
 def _remote_moe(error: Exception):
-    cls = type("DeepseekV3MoE", (nn.Module,), {"__module__": "transformers_modules.deepseek.modeling_deepseek",
-                                                 "forward": lambda self, x: (_ for _ in ()).throw(error)})
+    cls = type(
+        "DeepseekV3MoE",
+        (nn.Module,),
+        {
+            "__module__": "transformers_modules.deepseek.modeling_deepseek",
+            "forward": lambda self, x: (_ for _ in ()).throw(error),
+        },
+    )
     module = cls()
     module.lin = nn.Linear(2, 2)
     return module

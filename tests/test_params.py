@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dsr1kit.run import parameters_cell
 from dsr1kit import params as P
+from dsr1kit.run import parameters_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(ROOT.glob("params/*/*.yaml"))
@@ -35,10 +35,20 @@ def test_r1_set_carries_the_recipe_values():
     d = ROOT / "params" / "r1-671b-2x8h100"
     infer = P.load("10_vllm_inference", [d / "10_vllm_inference.yaml"])
     hari = P.load("20_hari_training", [d / "20_hari_training.yaml"])
-    assert (infer.tensor_parallel_size, infer.enable_expert_parallel, infer.gpu_memory_utilization) == (16, True, 0.90)
+    assert (infer.tensor_parallel_size, infer.enable_expert_parallel, infer.gpu_memory_utilization) == (
+        16,
+        True,
+        0.90,
+    )
     assert infer.distributed_executor_backend == "ray"
     assert (hari.lora_r, hari.lora_alpha, hari.lr, hari.lambda_kl, hari.kl_temperature, hari.max_len) == (
-        4, 8, 5e-5, 0.9, 1.5, 4096)
+        4,
+        8,
+        5e-5,
+        0.9,
+        1.5,
+        4096,
+    )
     assert hari.quantization == "nf4"
 
 
@@ -62,10 +72,16 @@ def test_every_problem_is_reported_at_once():
     assert len(err.value.problems) == 3
 
 
-@pytest.mark.parametrize("key,value", [
-    ("hf_token", "abc"), ("HF_TOKEN", "abc"), ("openai_api_key", "abc"), ("wandb_api_key", "abc"),
-    ("model", "hf_" + "a" * 34),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("hf_token", "abc"),
+        ("HF_TOKEN", "abc"),
+        ("openai_api_key", "abc"),
+        ("wandb_api_key", "abc"),
+        ("model", "hf_" + "a" * 34),
+    ],
+)
 def test_secret_like_parameter_is_refused_with_env_hint(key, value):
     with pytest.raises(P.ParamsError) as err:
         P.load("10_vllm_inference", overrides={key: value})
@@ -79,8 +95,9 @@ def test_token_count_knobs_are_not_mistaken_for_secrets():
     assert p.max_new_tokens == 8
 
 
-@pytest.mark.parametrize("raw,parsed", [("3", 3), ("0.5", 0.5), ("[a, b]", ["a", "b"]), ("true", True), ("x", "x"),
-                                        ("", "")])
+@pytest.mark.parametrize(
+    "raw,parsed", [("3", 3), ("0.5", 0.5), ("[a, b]", ["a", "b"]), ("true", True), ("x", "x"), ("", "")]
+)
 def test_overrides_are_parsed_as_yaml(raw, parsed):
     assert P.parse_override(raw) == parsed
 
@@ -97,7 +114,8 @@ def test_notebook_parameters_cell_is_the_rendering_of_its_model(notebook):
     """The committed cell is exactly what dsr1kit.params renders: a default lives in one file."""
     model = P.model_for(notebook)
     assert parameters_cell.committed_source(notebook) == parameters_cell.render(model), (
-        f"{notebook.name}: parameters cell differs from dsr1kit/params.py; run `python -m dsr1kit.run.parameters_cell`")
+        f"{notebook.name}: parameters cell differs from dsr1kit/params.py; run `dsr1kit parameters-cell`"
+    )
 
 
 @pytest.mark.parametrize("model", list(P.MODELS.values()), ids=lambda m: m.__name__)
@@ -123,7 +141,9 @@ def test_changing_a_default_is_a_change_of_params_py_alone(monkeypatch):
 
     monkeypatch.setitem(P.MODELS, "20_hari_training", Changed)
     assert "kl_temperature = 2.5" in parameters_cell.render(Changed)
-    assert parameters_cell.render(Changed) != parameters_cell.committed_source(ROOT / "notebooks/20_hari_training.ipynb")
+    assert parameters_cell.render(Changed) != parameters_cell.committed_source(
+        ROOT / "notebooks/20_hari_training.ipynb"
+    )
     assert P.load("20_hari_training", [ROOT / "params/tiny/20_hari_training.yaml"]).kl_temperature == 2.5
     assert P.load("20_hari_training").kl_temperature == 2.5  # `dsr1kit run` without -f
     others = [f for f in ROOT.glob("params/*/*.yaml") if "kl_temperature" in f.read_text()]
@@ -140,8 +160,9 @@ def test_tiny_parameter_files_hold_no_keys():
 LAYERED_ON = {"r1-rehearsal": "r1-671b-2x8h100"}
 
 
-@pytest.mark.parametrize("path", [p for p in SHIPPED if p.parent.name != "tiny"],
-                         ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize(
+    "path", [p for p in SHIPPED if p.parent.name != "tiny"], ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
 def test_parameter_files_hold_only_real_differences(path):
     base_dir = LAYERED_ON.get(path.parent.name)
     base_files = [ROOT / "params" / base_dir / path.name] if base_dir else []

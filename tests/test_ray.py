@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from ray_support import start_head, start_worker
 
 from dsr1kit.cluster import ray as R
 from dsr1kit.cluster.rendezvous import free_port
-from ray_support import start_head, start_worker
 
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 STORE = 100 * 10**6  # bytes; /dev/shm is shared with everything else on the CI machine
@@ -44,10 +44,22 @@ def cluster():
     nodes = []
     try:
         nodes.append(start_head(HEAD_IP, port, root / "head", "--num-cpus=1", object_store_bytes=STORE))
-        nodes.append(start_worker(f"{HEAD_IP}:{port}", WORKER_IP, root / "worker", "--num-cpus=1",
-                                  agent_port=free_port(), object_store_bytes=STORE, log=root / "worker.log"))
-        yield {"address": f"{HEAD_IP}:{port}", "root": root,
-               "state": R.wait_for_cluster(f"{HEAD_IP}:{port}", 2, timeout=180)}
+        nodes.append(
+            start_worker(
+                f"{HEAD_IP}:{port}",
+                WORKER_IP,
+                root / "worker",
+                "--num-cpus=1",
+                agent_port=free_port(),
+                object_store_bytes=STORE,
+                log=root / "worker.log",
+            )
+        )
+        yield {
+            "address": f"{HEAD_IP}:{port}",
+            "root": root,
+            "state": R.wait_for_cluster(f"{HEAD_IP}:{port}", 2, timeout=180),
+        }
     finally:
         for node in reversed(nodes):
             R.stop(node.temp_dir)
@@ -84,7 +96,11 @@ def test_missing_gpus_fail_with_a_fix(cluster):
 def test_unreachable_head_is_a_failing_row_not_a_crash():
     state = R.cluster_state("127.0.0.9:9", timeout=5)
     rows = R.ray_rows(state, 2)
-    assert rows[0].status == "fail" and "127.0.0.9:9" in rows[0].measured and "slurm/ray_cluster.sh" in rows[0].fix
+    assert (
+        rows[0].status == "fail"
+        and "127.0.0.9:9" in rows[0].measured
+        and "slurm/ray_cluster.sh" in rows[0].fix
+    )
 
 
 def test_stop_ends_only_that_node_and_removes_its_temp_dir(cluster):
@@ -106,8 +122,10 @@ def _fake_ray(tmp_path: Path, script: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "ray"
-    fake.write_text(f'#!/bin/bash\nn=$(( $(wc -l < {tmp_path}/calls 2>/dev/null || echo 0) + 1 ))\n'
-                    f'echo "$*" >> {tmp_path}/calls\n{script}\n')
+    fake.write_text(
+        f"#!/bin/bash\nn=$(( $(wc -l < {tmp_path}/calls 2>/dev/null || echo 0) + 1 ))\n"
+        f'echo "$*" >> {tmp_path}/calls\n{script}\n'
+    )
     fake.chmod(0o755)
     import sys
 
@@ -118,14 +136,22 @@ def _worker(tmp_path: Path, env: dict[str, str]):
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
-    return subprocess.run(["bash", "slurm/ray_cluster.sh", "worker", WORKER_IP, f"{HEAD_IP}:1", str(tmp_path / "t")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", "slurm/ray_cluster.sh", "worker", WORKER_IP, f"{HEAD_IP}:1", str(tmp_path / "t")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_worker_that_fails_to_register_is_started_again(tmp_path):
     """Ray's raylet has a fixed 30 s to register with the head; on a loaded host it can miss it and
     `ray start` exits at once. The worker role stops its leftovers and starts it again."""
-    proc = _worker(tmp_path, _fake_ray(tmp_path, '[ "$n" -ge 2 ] && exit 0; echo "raylet did not register" >&2; exit 1'))
+    proc = _worker(
+        tmp_path, _fake_ray(tmp_path, '[ "$n" -ge 2 ] && exit 0; echo "raylet did not register" >&2; exit 1')
+    )
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     assert len(calls) == 2 and all(c.startswith(f"start --address={HEAD_IP}:1") for c in calls)

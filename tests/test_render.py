@@ -19,8 +19,13 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
-ROW = {"id": "mcq-1", "question": "Which planet is red?", "options": ["Venus", "Mars", "Jupiter"], "answer": "B",
-       "cot": "Mars looks red because of iron oxide on its surface."}
+ROW = {
+    "id": "mcq-1",
+    "question": "Which planet is red?",
+    "options": ["Venus", "Mars", "Jupiter"],
+    "answer": "B",
+    "cot": "Mars looks red because of iron oxide on its surface.",
+}
 PLAIN_ROW = {"id": "plain-1", "question": "What is 2 + 3?", "answer": "5"}
 
 
@@ -29,7 +34,9 @@ def tokenizers():
     tiny = AutoTokenizer.from_pretrained(resolve_model("tiny"))
     r1 = AutoTokenizer.from_pretrained(resolve_model("tiny-r1"))
     llama = AutoTokenizer.from_pretrained(resolve_model("tiny"))
-    llama.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    llama.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
     llama.chat_template = LLAMA3_TEMPLATE
     return {"tiny": tiny, "r1": r1, "llama3": llama}
 
@@ -39,7 +46,7 @@ def _rationale_ids(tok, text: str) -> list[int]:
 
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 @pytest.mark.parametrize("name", ["tiny", "r1", "llama3"])
@@ -47,8 +54,9 @@ def test_labels_start_exactly_where_the_served_prompt_ends(tokenizers, name):
     tok = tokenizers[name]
     messages = chat.to_messages(ROW)
     ids, labs, _ = labels.encode_messages(tok, messages, max_len=10_000)
-    served = tok.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)[
-        "input_ids"]  # what a server is sent, computed by transformers itself
+    served = tok.apply_chat_template(
+        messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]  # what a server is sent, computed by transformers itself
     first = next(i for i, t in enumerate(labs) if t != labels.IGNORE)
     assert ids[:first] == served
     assert all(t != labels.IGNORE for t in labs[first:])  # everything after the prompt is trained
@@ -75,8 +83,9 @@ def test_r1_template_drops_the_reasoning_that_training_keeps(tokenizers):
     assert r.prompt_text.startswith(templates.R1_BOS + "You are DeepSeek-R1." + templates.R1_USER)
     text = r.prompt_text + r.target_text
     assert text.count("<think>") == 1
-    assert text.endswith("<｜Assistant｜><think>\n" + chat.assistant_text(ROW).removeprefix("<think>\n")
-                         + templates.R1_EOS)
+    assert text.endswith(
+        "<｜Assistant｜><think>\n" + chat.assistant_text(ROW).removeprefix("<think>\n") + templates.R1_EOS
+    )
     assert r.target_ids[-1] == tok.eos_token_id
 
 
@@ -97,24 +106,32 @@ def test_training_prompt_is_the_evaluation_prompt(tokenizers):
     for tok in tokenizers.values():
         [prompt] = build_prompts([ROW], tok, chat.DEFAULT_SYSTEM)
         ids, labs, _ = labels.encode_messages(tok, chat.to_messages(ROW), max_len=10_000)
-        assert ids[:len(prompt.token_ids)] == prompt.token_ids
-        assert labs[len(prompt.token_ids) - 1] == labels.IGNORE and labs[len(prompt.token_ids)] != labels.IGNORE
+        assert ids[: len(prompt.token_ids)] == prompt.token_ids
+        assert (
+            labs[len(prompt.token_ids) - 1] == labels.IGNORE and labs[len(prompt.token_ids)] != labels.IGNORE
+        )
     assert build_prompts([ROW], tokenizers["r1"], chat.DEFAULT_SYSTEM)[0].reasoning_open
     assert not build_prompts([ROW], tokenizers["tiny"], chat.DEFAULT_SYSTEM)[0].reasoning_open
 
 
 def test_template_without_generation_prompt_that_rewrites_content_is_refused(tokenizers):
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] }}"
-                         "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(render.TemplateError, match="no generation prompt"):
         render.render_chat(tok, chat.to_messages(ROW))
 
 
 def test_template_that_fails_to_render_names_the_problem():
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
-    tok.chat_template = "{% for m in messages %}{{ raise_exception('system role not supported') }}{% endfor %}"
-    with pytest.raises(render.TemplateError, match="does not render these messages.*system role not supported"):
+    tok.chat_template = (
+        "{% for m in messages %}{{ raise_exception('system role not supported') }}{% endfor %}"
+    )
+    with pytest.raises(
+        render.TemplateError, match="does not render these messages.*system role not supported"
+    ):
         render.render_chat(tok, chat.to_messages(ROW))
 
 

@@ -43,7 +43,8 @@ def test_run_folder_holds_report_params_env_status(ok_run):
     _, runs, _ = ok_run
     run_dir = _only_run(runs)
     assert {"report.ipynb", "report.html", "params.yaml", "env.json", "status.json", "summary.json"} <= {
-        p.name for p in run_dir.iterdir()}
+        p.name for p in run_dir.iterdir()
+    }
     assert re.fullmatch(r"\d{8}T\d{6}Z-00_cluster_check-[0-9a-f]{6}", run_dir.name)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "ok" and status["duration_s"] > 0
@@ -79,7 +80,7 @@ def test_runs_lists_the_run_with_status_and_headline(ok_run, cli):
     _, runs, _ = ok_run
     proc = cli("runs", "--runs-dir", str(runs))
     assert proc.returncode == 0
-    line = [l for l in proc.stdout.splitlines() if "00_cluster_check" in l][0]
+    line = [x for x in proc.stdout.splitlines() if "00_cluster_check" in x][0]
     assert " ok " in line and "fail of" in line  # headline: "N pass, N warn, 0 fail of N checks"
 
 
@@ -97,8 +98,20 @@ def test_failing_cell_gives_failed_status_and_partial_report(tmp_path, cli):
 
 
 def test_bad_params_fail_before_anything_runs(tmp_path, cli):
-    proc = cli("run", NB00, "-f", TINY00, "-p", "expected_nodez", "2", "-p", "hf_token", "abc",
-               "--runs-dir", str(tmp_path))
+    proc = cli(
+        "run",
+        NB00,
+        "-f",
+        TINY00,
+        "-p",
+        "expected_nodez",
+        "2",
+        "-p",
+        "hf_token",
+        "abc",
+        "--runs-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 2
     assert "unknown key 'expected_nodez'" in proc.stderr and "looks like a secret" in proc.stderr
     assert not any(tmp_path.iterdir())
@@ -135,8 +148,16 @@ def test_interactive_session_gets_its_own_run_dir(tmp_path):
 def test_other_ranks_report_under_ranks_folder(tmp_path, cli):
     """srun starts the notebook on every node: rank k>0 keeps its report in ranks/rank<k>/."""
     run_dir = tmp_path / "shared"
-    proc = cli("run", NB00, "-f", TINY00, "--run-dir", str(run_dir), "-q",
-               env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1"})
+    proc = cli(
+        "run",
+        NB00,
+        "-f",
+        TINY00,
+        "--run-dir",
+        str(run_dir),
+        "-q",
+        env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "ranks" / "rank1" / "report.html").is_file()
     assert not (run_dir / "report.html").exists()

@@ -8,11 +8,11 @@ import os
 import re
 from pathlib import Path
 
+from conftest import run_cli
+
 from dsr1kit import params
 from dsr1kit.run import parameters_cell
 from dsr1kit.run.redact import redact_file, secret_values
-
-from conftest import run_cli
 
 SENTINEL = "hf_" + "Sentinel9876543210zyxwvuTSR"
 SHORT = "k3y!"  # shorter than a token, still a secret's value
@@ -34,10 +34,22 @@ def _notebook(folder: Path) -> Path:
         f"with open(run_dir / 'big.bin', 'wb') as f:\n    f.seek({BIG})\n    f.write(token.encode())\n",
         "raise ValueError(f'failed with {token}')",
     ]
-    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": {"name": "dsr1kit", "language": "python",
-                                                                          "display_name": "dsr1kit"}},
-          "cells": [{"cell_type": "code", "id": f"c{i}", "metadata": {"tags": ["parameters"] if i == 0 else []},
-                     "execution_count": None, "outputs": [], "source": src} for i, src in enumerate(cells)]}
+    nb = {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "dsr1kit", "language": "python", "display_name": "dsr1kit"}},
+        "cells": [
+            {
+                "cell_type": "code",
+                "id": f"c{i}",
+                "metadata": {"tags": ["parameters"] if i == 0 else []},
+                "execution_count": None,
+                "outputs": [],
+                "source": src,
+            }
+            for i, src in enumerate(cells)
+        ],
+    }
     path = folder / "00_cluster_check.ipynb"
     path.write_text(json.dumps(nb))
     return path
@@ -45,8 +57,14 @@ def _notebook(folder: Path) -> Path:
 
 def test_environment_secret_reaches_no_file_no_stream_no_message(tmp_path):
     runs = tmp_path / "runs"
-    proc = run_cli("run", str(_notebook(tmp_path)), "--runs-dir", str(runs),
-                   env={"HF_TOKEN": SENTINEL, "WANDB_API_KEY": SHORT, "TOKENIZERS_PARALLELISM": "false"}, timeout=300)
+    proc = run_cli(
+        "run",
+        str(_notebook(tmp_path)),
+        "--runs-dir",
+        str(runs),
+        env={"HF_TOKEN": SENTINEL, "WANDB_API_KEY": SHORT, "TOKENIZERS_PARALLELISM": "false"},
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert re.search(r"failed in cell \d+ \(ValueError: failed with \*{%d}\)" % len(SENTINEL), proc.stderr)
     assert "stderr *" in proc.stderr  # the cell's stderr reached the log, masked
@@ -64,12 +82,22 @@ def test_environment_secret_reaches_no_file_no_stream_no_message(tmp_path):
     assert not leaks, leaks
     assert (run_dir / "big.bin").stat().st_size == BIG + len(SENTINEL)  # masked in place, layout kept
     assert "and false stays false" in (run_dir / "notes.txt").read_text()  # a flag-like value is no secret
-    assert {"report.ipynb", "report.html", "status.json", "params.yaml"} <= {p.name for p in run_dir.iterdir()}
+    assert {"report.ipynb", "report.html", "status.json", "params.yaml"} <= {
+        p.name for p in run_dir.iterdir()
+    }
 
 
 def test_secret_names_and_values():
-    env = {"HF_TOKEN": SENTINEL, "GITHUB_TOKEN": "ghp_x1234", "AWS_SECRET_ACCESS_KEY": "abcd", "MY_PASSWORD": "pw",
-           "TOKENIZERS_PARALLELISM": "false", "JUPYTER_TOKEN": "true", "SLURM_JOB_ID": "12345", "HOME": "/root"}
+    env = {
+        "HF_TOKEN": SENTINEL,
+        "GITHUB_TOKEN": "ghp_x1234",
+        "AWS_SECRET_ACCESS_KEY": "abcd",
+        "MY_PASSWORD": "pw",
+        "TOKENIZERS_PARALLELISM": "false",
+        "JUPYTER_TOKEN": "true",
+        "SLURM_JOB_ID": "12345",
+        "HOME": "/root",
+    }
     assert secret_values(env) == [SENTINEL, "ghp_x1234", "abcd"]
 
 

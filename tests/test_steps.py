@@ -53,18 +53,35 @@ def test_finish_fails_the_run_only_on_fail_with_the_steps_error():
     steps.finish(steps.Verdict("ok", "fine"))
     steps.finish(steps.Verdict("warn", "preempted", ["requeue"]))
     with pytest.raises(cluster_check.ChecksFailed, match=r"1 fail .*FAIL shm"):
-        steps.finish(steps.Verdict("fail", "1 fail of 1 checks", ["FAIL shm on n1: 0.1 GiB → free it"],
-                                   cluster_check.ChecksFailed))
+        steps.finish(
+            steps.Verdict(
+                "fail",
+                "1 fail of 1 checks",
+                ["FAIL shm on n1: 0.1 GiB → free it"],
+                cluster_check.ChecksFailed,
+            )
+        )
 
 
 def test_cluster_check_verdict_names_each_failing_check_and_its_fix():
-    rows = [checks.Row("python", checks.PASS, "3.11"),
-            checks.Row("/dev/shm free", checks.FAIL, "0.1 GiB", ">= 32 GiB", "ask for a node with a larger /dev/shm", "n1"),
-            checks.Row("scratch dir", checks.WARN, "5 GiB", ">= 500 GiB", "", "n1")]
+    rows = [
+        checks.Row("python", checks.PASS, "3.11"),
+        checks.Row(
+            "/dev/shm free",
+            checks.FAIL,
+            "0.1 GiB",
+            ">= 32 GiB",
+            "ask for a node with a larger /dev/shm",
+            "n1",
+        ),
+        checks.Row("scratch dir", checks.WARN, "5 GiB", ">= 500 GiB", "", "n1"),
+    ]
     v = cluster_check.verdict(rows)
     assert (v.status, v.headline) == ("fail", "1 pass, 1 warn, 1 fail of 3 checks")
     assert v.lines[0] == "FAIL /dev/shm free on n1: 0.1 GiB → ask for a node with a larger /dev/shm"
-    assert cluster_check.verdict(rows[:1]).status == "ok" and cluster_check.verdict(rows[::2]).status == "warn"
+    assert (
+        cluster_check.verdict(rows[:1]).status == "ok" and cluster_check.verdict(rows[::2]).status == "warn"
+    )
 
 
 class _Parity:
@@ -76,14 +93,32 @@ class _Parity:
 
 
 def test_inference_verdict_fails_an_adapter_that_changes_nothing():
-    table = pd.DataFrame([{"category": "all", "accuracy": 0.5, "ci95_low": 0.3, "ci95_high": 0.7, "correct": 8,
-                           "scored_on": "16 of 16"}])
+    table = pd.DataFrame(
+        [
+            {
+                "category": "all",
+                "accuracy": 0.5,
+                "ci95_low": 0.3,
+                "ci95_high": 0.7,
+                "correct": 8,
+                "scored_on": "16 of 16",
+            }
+        ]
+    )
     tables = {"base": table, "adapter": table}
-    assert vllm_inference.verdict(tables).status == "ok"
-    assert vllm_inference.verdict(tables).headline == "base 50.0% (scored on 16 of 16); adapter 50.0% (scored on 16 of 16)"
-    assert vllm_inference.verdict(tables, _Parity("applied", "pass")).status == "ok"
-    assert vllm_inference.verdict(tables, _Parity("inconclusive", "warn")).status == "warn"
-    none = vllm_inference.verdict(tables, _Parity("no-effect", "fail"))
+    assert vllm_inference.verdict(vllm_inference.EvalResult(tables)).status == "ok"
+    assert (
+        vllm_inference.verdict(vllm_inference.EvalResult(tables)).headline
+        == "base 50.0% (scored on 16 of 16); adapter 50.0% (scored on 16 of 16)"
+    )
+    assert (
+        vllm_inference.verdict(vllm_inference.EvalResult(tables, _Parity("applied", "pass"))).status == "ok"
+    )
+    assert (
+        vllm_inference.verdict(vllm_inference.EvalResult(tables, _Parity("inconclusive", "warn"))).status
+        == "warn"
+    )
+    none = vllm_inference.verdict(vllm_inference.EvalResult(tables, _Parity("no-effect", "fail")))
     assert none.status == "fail" and "parity: no-effect" in none.lines
     with pytest.raises(vllm_inference.AdapterHasNoEffect):
         steps.finish(none)
@@ -91,9 +126,23 @@ def test_inference_verdict_fails_an_adapter_that_changes_nothing():
 
 def test_inference_verdict_shows_each_sets_gain_and_cost():
     def table(a, b):
-        return pd.DataFrame([{"category": c, "accuracy": x, "ci95_low": 0.0, "ci95_high": 1.0, "correct": 0,
-                              "scored_on": "20 of 20"} for c, x in (("all", (a + b) / 2), ("task A", a), ("task B", b))])
-    v = vllm_inference.verdict({"base": table(0.9, 0.05), "adapter": table(0.6, 0.8)})
+        return pd.DataFrame(
+            [
+                {
+                    "category": c,
+                    "accuracy": x,
+                    "ci95_low": 0.0,
+                    "ci95_high": 1.0,
+                    "correct": 0,
+                    "scored_on": "20 of 20",
+                }
+                for c, x in (("all", (a + b) / 2), ("task A", a), ("task B", b))
+            ]
+        )
+
+    v = vllm_inference.verdict(
+        vllm_inference.EvalResult({"base": table(0.9, 0.05), "adapter": table(0.6, 0.8)})
+    )
     assert "task A: base 90.0% → adapter 60.0% (-30.0 points, scored on 20 of 20)" in v.lines
     assert "task B: base 5.0% → adapter 80.0% (+75.0 points, scored on 20 of 20)" in v.lines
     assert vllm_inference.category_changes({"base": table(0.9, 0.05)}) == []
@@ -103,8 +152,12 @@ def test_several_eval_sets_are_read_per_set_and_ids_must_not_clash(tmp_path):
     from dsr1kit.infer import evaluate
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps({"id": f"a{i}", "question": "q", "answer": "x"}) + "\n" for i in range(5)))
-    b.write_text("".join(json.dumps({"id": f"b{i}", "question": "q", "answer": "y"}) + "\n" for i in range(3)))
+    a.write_text(
+        "".join(json.dumps({"id": f"a{i}", "question": "q", "answer": "x"}) + "\n" for i in range(5))
+    )
+    b.write_text(
+        "".join(json.dumps({"id": f"b{i}", "question": "q", "answer": "y"}) + "\n" for i in range(3))
+    )
     rows = evaluate.load_rows(f"{a}, {b}", limit=2)
     assert [r["id"] for r in rows] == ["a0", "a1", "b0", "b1"]  # the limit is per set
     assert len(evaluate.load_rows(f"{a},{b}")) == 8

@@ -13,11 +13,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dsr1kit.embedded.r1_format import (
+    R1_QUANTIZATION_CONFIG,
+    is_fp8_weight,
+    read_tensors,
+    shard_name,
+    to_fp8,
+    write_checkpoint,
+)
 from dsr1kit.model.checkpoint_index import INDEX_FILE, read_index, read_weight_map
 from dsr1kit.model.fp8 import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from dsr1kit.model.stream_load import CheckpointError, device_for, load_streaming
-from dsr1kit.embedded.r1_format import (R1_QUANTIZATION_CONFIG, is_fp8_weight, read_tensors, shard_name, to_fp8,
-                               write_checkpoint)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,8 +47,9 @@ def reference(tiny_dir):
 @pytest.fixture(scope="module")
 def fp8_dir(tiny_dir, tmp_path_factory):
     """The tiny model as DeepSeek ships R1: per-expert keys, FP8 linears with 128x128 block scales."""
-    return write_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny-fp8", read_tensors(tiny_dir),
-                            tiny_config(tiny_dir), fp8=True)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("fp8") / "tiny-fp8", read_tensors(tiny_dir), tiny_config(tiny_dir), fp8=True
+    )
 
 
 def logits_of(model, ids) -> torch.Tensor:
@@ -52,6 +59,7 @@ def logits_of(model, ids) -> torch.Tensor:
 
 # -- FP8 block dequantization ---------------------------------------------------------------
 
+
 def test_fp8_dequant_matches_blockwise_formula_including_edge_blocks():
     torch.manual_seed(0)
     w = torch.randn(200, 300) * 0.02  # 2x3 blocks, the last row and column of blocks partial
@@ -60,7 +68,7 @@ def test_fp8_dequant_matches_blockwise_formula_including_edge_blocks():
     manual = q.float().clone()
     for i in range(2):
         for j in range(3):
-            manual[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] *= scale[i, j]
+            manual[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= scale[i, j]
     assert torch.equal(dequantize_fp8_blocks(q, scale, dtype=torch.float32), manual)
 
 
@@ -70,8 +78,8 @@ def test_fp8_roundtrip_error_is_within_e4m3_half_ulp():
     q, scale = quantize_fp8_blocks(w)
     back = dequantize_fp8_blocks(q, scale, dtype=torch.float32)
     # below e4m3's smallest normal (2^-6 · scale) the step is absolute: 2^-9 · scale, half of it at most
-    subnormal_step = 2.0 ** -10 * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    assert ((back - w).abs() <= w.abs() * 2.0 ** -4 + subnormal_step).all()
+    subnormal_step = 2.0**-10 * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert ((back - w).abs() <= w.abs() * 2.0**-4 + subnormal_step).all()
 
 
 def test_fp8_scale_with_wrong_shape_names_the_tensor():
@@ -81,6 +89,7 @@ def test_fp8_scale_with_wrong_shape_names_the_tensor():
 
 
 # -- loading ----------------------------------------------------------------------------------
+
 
 def test_bf16_checkpoint_streams_to_the_same_logits_as_from_pretrained(tiny_dir, reference):
     _, ids, expected = reference
@@ -120,8 +129,12 @@ def test_fp8_checkpoint_loads_with_logits_close_to_bf16(fp8_dir, reference, tiny
     assert torch.equal(got, logits_of(fake_quantized, ids))
 
     gen = torch.Generator().manual_seed(0)
-    worst_case = with_weights_rounded(tiny_dir, lambda w: (w.float() * (
-        1 + 2.0 ** -4 * (torch.randint(0, 2, w.shape, generator=gen) * 2 - 1))).to(w.dtype))
+    worst_case = with_weights_rounded(
+        tiny_dir,
+        lambda w: (w.float() * (1 + 2.0**-4 * (torch.randint(0, 2, w.shape, generator=gen) * 2 - 1))).to(
+            w.dtype
+        ),
+    )
 
     def rel(logits):
         return ((logits - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
@@ -134,6 +147,7 @@ def test_fp8_checkpoint_loads_into_nf4(fp8_dir, reference):
     import bitsandbytes as bnb
 
     from dsr1kit.model.experts_nf4 import NF4Experts
+
     assert isinstance(model.model.layers[1].mlp.experts, NF4Experts)
     assert isinstance(model.model.layers[2].self_attn.q_b_proj, bnb.nn.Linear4bit)
     assert not isinstance(model.lm_head, bnb.nn.Linear4bit)  # kept bf16 like BitsAndBytesConfig's default
@@ -163,10 +177,13 @@ def test_device_map_prefixes_place_modules_like_transformers():
 
 # -- errors that say what to fix --------------------------------------------------------------
 
+
 def test_missing_shard_is_named_with_what_to_do(fp8_dir, tmp_path):
     broken = Path(shutil.copytree(fp8_dir, tmp_path / "broken"))
     (broken / "layer-002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"layer-002\.safetensors .*model\.layers\.2\.(?s:.*)Download them"):
+    with pytest.raises(
+        CheckpointError, match=r"layer-002\.safetensors .*model\.layers\.2\.(?s:.*)Download them"
+    ):
         load_streaming(broken, progress=False)
 
 
@@ -186,8 +203,11 @@ def test_tensor_with_unexpected_shape_names_file_tensor_and_shapes(tiny_dir, tmp
     tensors = read_tensors(tiny_dir)
     tensors["model.layers.2.self_attn.q_a_proj.weight"] = torch.zeros(32, 256, dtype=torch.bfloat16)
     bad = write_checkpoint(tmp_path / "bad", tensors, tiny_config(tiny_dir))
-    with pytest.raises(CheckpointError, match=r"layer-002\.safetensors: tensor model\.layers\.2\.self_attn\."
-                                              r"q_a_proj\.weight has shape \(32, 256\).*expects \(64, 256\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layer-002\.safetensors: tensor model\.layers\.2\.self_attn\."
+        r"q_a_proj\.weight has shape \(32, 256\).*expects \(64, 256\)",
+    ):
         load_streaming(bad, progress=False)
 
 
@@ -195,15 +215,23 @@ def test_checkpoint_whose_config_does_not_match_is_refused(fp8_dir, tmp_path):
     bad = Path(shutil.copytree(fp8_dir, tmp_path / "bad"))
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(dict(config, n_routed_experts=4)))
-    with pytest.raises(CheckpointError, match=r"do not match its config\.json.*n_routed_experts=4(?s:.*)"
-                                              r"unexpected tensor\(s\), e\.g\. model\.layers\.1\.mlp\.experts\.4"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"do not match its config\.json.*n_routed_experts=4(?s:.*)"
+        r"unexpected tensor\(s\), e\.g\. model\.layers\.1\.mlp\.experts\.4",
+    ):
         load_streaming(bad, progress=False)
 
 
 def test_expected_config_differences_are_listed_together(fp8_dir):
-    with pytest.raises(CheckpointError, match=r"num_hidden_layers: expected 61, checkpoint has 3(?s:.*)"
-                                              r"n_routed_experts: expected 256, checkpoint has 8"):
-        load_streaming(fp8_dir, expect_config={"num_hidden_layers": 61, "n_routed_experts": 256}, progress=False)
+    with pytest.raises(
+        CheckpointError,
+        match=r"num_hidden_layers: expected 61, checkpoint has 3(?s:.*)"
+        r"n_routed_experts: expected 256, checkpoint has 8",
+    ):
+        load_streaming(
+            fp8_dir, expect_config={"num_hidden_layers": 61, "n_routed_experts": 256}, progress=False
+        )
 
 
 def test_non_deepseek_checkpoint_points_to_the_other_loader(tmp_path):
@@ -217,11 +245,28 @@ def test_non_deepseek_checkpoint_points_to_the_other_loader(tmp_path):
 # One MoE layer is ~15 MiB in bf16, the whole model (8 layers) ~115 MiB; ~60M weights to
 # quantize keep the test near 10 s on the 2-core CI machine.
 BIG = dict(
-    model_type="deepseek_v3", vocab_size=1024, hidden_size=1024, intermediate_size=1024,
-    moe_intermediate_size=256, num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=4,
-    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-    topk_group=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
-    v_head_dim=32, max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
+    model_type="deepseek_v3",
+    vocab_size=1024,
+    hidden_size=1024,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
 )
 
 RSS_PROBE = r"""
@@ -265,6 +310,7 @@ def write_big_checkpoint(out: Path) -> tuple[int, int]:
     from transformers import DeepseekV3Config
 
     from dsr1kit.model.stream_load import skeleton
+
     model = skeleton(DeepseekV3Config(**BIG))
     shapes = {}
     for key, t in model.state_dict().items():
@@ -305,8 +351,13 @@ def test_peak_host_memory_is_about_one_layer_not_the_model(tmp_path):
     (or kept the shards mapped) would fail; allocator and bitsandbytes temporaries are the slack.
     """
     layer, whole = write_big_checkpoint(tmp_path / "big")
-    proc = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path / "big")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(tmp_path / "big")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     transient_bound = 2 * layer + 40 * 2**20
@@ -314,4 +365,5 @@ def test_peak_host_memory_is_about_one_layer_not_the_model(tmp_path):
     extra = m["peak"] - m["base"] - m["held"]
     assert extra <= transient_bound, (
         f"peak {m['peak'] / 2**20:.0f} MiB - base {m['base'] / 2**20:.0f} - held {m['held'] / 2**20:.0f} "
-        f"= {extra / 2**20:.0f} MiB > {transient_bound / 2**20:.0f} MiB (layer {layer / 2**20:.0f} MiB)")
+        f"= {extra / 2**20:.0f} MiB > {transient_bound / 2**20:.0f} MiB (layer {layer / 2**20:.0f} MiB)"
+    )

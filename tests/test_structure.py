@@ -1,4 +1,9 @@
-"""The package's shape: every module imports on its own, and the cluster modules import one way only.
+"""The package's shape: every module imports on its own, the seam between notebooks and library holds, no
+import circle, and the cluster modules import one way only.
+
+The seam: a notebook's parameters (``dsr1kit.params``) are read by ``steps/`` (one module per notebook) and
+the command line (``cli/``) alone; they turn them into the small typed configs each library package owns, so
+no library function takes a notebook's parameter object ``p`` and nothing in the library imports ``steps``.
 
 `dsr1kit.cluster.rendezvous` (ranks, node list, MASTER_ADDR/PORT) is what both the
 checks and training need; it must import no other cluster module, so training does
@@ -56,8 +61,13 @@ print(json.dumps(results))
 def test_every_module_imports_on_its_own():
     """Each module starts from no dsr1kit module loaded, so a missing import or an order dependence shows."""
     names = sorted(MODULES)
-    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH, ",".join(names), ",".join(OPTIONAL)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, ",".join(names), ",".join(OPTIONAL)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(results) == set(names)
@@ -72,7 +82,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
         return node.module or ""
     package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
     base = package.split(".")
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -137,8 +147,12 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
-    edges = [f"  {a} imports {b} ({MODULES[a].relative_to(ROOT)}:{graph[a][b]})"
-             for a in component for b in graph[a] if b in component]
+    edges = [
+        f"  {a} imports {b} ({MODULES[a].relative_to(ROOT)}:{graph[a][b]})"
+        for a in component
+        for b in graph[a]
+        if b in component
+    ]
     return "import circle:\n" + "\n".join(edges)
 
 
@@ -156,8 +170,80 @@ def test_the_graph_sees_function_local_and_relative_imports():
     """The checker itself: a circle hidden in a function body must be an edge."""
     known = {"dsr1kit.cluster", "dsr1kit.cluster.net", "dsr1kit.cluster.slurm", "dsr1kit.params"}
     source = "from .. import params as P\ndef f():\n    from .slurm import resolve_ipv4\n"
-    assert imports_of("dsr1kit.cluster.net", source, known) == {"dsr1kit.params": 1, "dsr1kit.cluster.slurm": 3}
+    assert imports_of("dsr1kit.cluster.net", source, known) == {
+        "dsr1kit.params": 1,
+        "dsr1kit.cluster.slurm": 3,
+    }
     assert _cycles({"a": {"b": 1}, "b": {"a": 2}, "c": {"a": 1}}) == [["a", "b"]]
+
+
+SEAM = ("dsr1kit.steps", "dsr1kit.cli")  # the only readers of notebook parameters
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == pkg or module.startswith(pkg + ".") for pkg in packages)
+
+
+def _library() -> list[str]:
+    return [m for m in MODULES if not _in(m, SEAM) and m not in ("dsr1kit.params", "dsr1kit.__main__")]
+
+
+def test_only_steps_and_the_cli_import_the_notebook_parameters():
+    graph = import_graph()
+    readers = {m: graph[m]["dsr1kit.params"] for m in _library() if "dsr1kit.params" in graph[m]}
+    assert not readers, (
+        "library modules importing dsr1kit.params (build a config in steps/ instead): "
+        + ", ".join(f"{MODULES[m].relative_to(ROOT)}:{line}" for m, line in readers.items())
+    )
+
+
+def test_the_library_never_imports_steps():
+    graph = import_graph()
+    wrong = {
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in _library()
+        for target, line in graph[m].items()
+        if _in(target, ("dsr1kit.steps",))
+    }
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> list[str]:
+    a = fn.args
+    return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))]
+
+
+def test_no_library_function_takes_a_notebooks_parameters():
+    """A parameter named ``p`` is a notebook's parameter object in this code base: nothing would say which
+    fields the function reads."""
+    found = []
+    for m in _library():
+        for node in ast.walk(ast.parse(MODULES[m].read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and "p" in _parameters(
+                node
+            ):
+                found.append(
+                    f"{MODULES[m].relative_to(ROOT)}:{node.lineno} {getattr(node, 'name', 'lambda')}"
+                )
+    assert not found, "library functions taking `p`:\n" + "\n".join(found)
+
+
+def test_package_inits_only_export():
+    """A package's ``__init__`` says what is in it and re-exports; its logic lives in named modules."""
+    bodies = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+        for name, path in MODULES.items()
+        if path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+    assert not bodies, "\n".join(bodies)
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    circles = _cycles(graph)
+    assert not circles, "\n".join(_describe(c, graph) for c in circles)
 
 
 def test_no_import_circle_runs_through_a_cluster_module():
@@ -170,8 +256,9 @@ def test_rendezvous_imports_no_cluster_module_and_nothing_it_imports_comes_back(
     graph = import_graph()
     assert NEUTRAL in graph
     below = _reachable(graph, NEUTRAL)
-    assert not {m for m in below if m.startswith("dsr1kit.cluster.")}, \
+    assert not {m for m in below if m.startswith("dsr1kit.cluster.")}, (
         f"{NEUTRAL} must not import other cluster modules, but reaches {sorted(below)}"
+    )
     assert NEUTRAL not in below, f"{NEUTRAL} reaches itself through {sorted(below)}"
 
 
@@ -183,8 +270,9 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("dsr1kit") or m.s
 
 
 def _loaded_by(module: str) -> set[str]:
-    proc = subprocess.run([sys.executable, "-c", LOADED, module], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADED, module], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return set(json.loads(proc.stdout.strip().splitlines()[-1]))
 

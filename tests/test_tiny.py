@@ -47,17 +47,22 @@ def test_pretraining_taught_the_format(tiny_dir):
 def test_base_does_task_a_and_not_task_b(tiny_dir, tok, model):
     """The forgetting experiment's premise, on its held-out sets: the base knows A (and the "ends the list"
     phrasing of B's skill) but not B's own phrasing, and pre-training never saw those lists."""
-    from dsr1kit.measure import forgetting
     from dsr1kit.data.synthetic import make_position_rows
+    from dsr1kit.measure.accuracy import accuracy, answer_matches
 
     def acc(rows):
-        return forgetting.accuracy(forgetting.answer_matches(model, tok, rows, "You are DeepSeek-R1."))
+        return accuracy(answer_matches(model, tok, rows, "You are DeepSeek-R1."))
 
     root = Path(__file__).resolve().parent.parent / "data"
-    rows = {name: [json.loads(line) for line in (root / f"task_{name}_eval.jsonl").read_text().splitlines()]
-            for name in "ab"}
+    rows = {
+        name: [json.loads(line) for line in (root / f"task_{name}_eval.jsonl").read_text().splitlines()]
+        for name in "ab"
+    }
     a, b = acc(rows["a"][:100]), acc(rows["b"][:100])
-    assert a >= 0.6 and b <= 0.4 and a - b >= 0.5, (a, b)  # built: A 0.99, B 0.28 (it often answers the first word)
+    assert a >= 0.6 and b <= 0.4 and a - b >= 0.5, (
+        a,
+        b,
+    )  # built: A 0.99, B 0.28 (it often answers the first word)
     assert acc(make_position_rows("E", 100, seed=7)) >= 0.6
     chats, _ = tiny.pretrain_texts()
     seen = {m["content"] for chat in chats for m in chat if m["role"] == "user"}
@@ -109,7 +114,9 @@ def test_reasoning_markers_are_single_tokens_kept_when_decoding(tok, marker):
 
 
 def test_chat_template_marks_exactly_the_assistant_turn(tok):
-    out = tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(
+        MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, mask = out["input_ids"], out["assistant_masks"]
     masked = tok.decode([i for i, m in zip(ids, mask) if m])
     assert masked == MESSAGES[2]["content"] + tok.eos_token
@@ -140,8 +147,12 @@ def test_loads_in_nf4_on_cpu_including_eval_forward(tiny_dir):
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=torch.bfloat16)
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=q, dtype=torch.bfloat16)
     assert any(isinstance(x, bnb.nn.Linear4bit) for x in m.modules())
     m.eval()

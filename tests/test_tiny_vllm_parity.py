@@ -17,12 +17,11 @@ import json
 
 import pytest
 import torch
+from infer_support import assert_no_server_left, cpu_params
 
 from dsr1kit.infer import evaluate as ev
 from dsr1kit.infer.adapters import hf_continuation_logprobs, vllm_generate
-from dsr1kit.infer.server import VLLMServer
-
-from infer_support import assert_no_server_left, cpu_params
+from dsr1kit.steps import vllm_inference
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -40,11 +39,17 @@ def _vllm_mla_rope(cfg: dict):
 
     rope_parameters = dict(cfg["rope_parameters"])
     if rope_parameters["rope_type"] != "default":
-        rope_parameters["rope_type"] = ("deepseek_llama_scaling" if rope_parameters.get("attention_factor") == 1.0
-                                        else "deepseek_yarn")
+        rope_parameters["rope_type"] = (
+            "deepseek_llama_scaling" if rope_parameters.get("attention_factor") == 1.0 else "deepseek_yarn"
+        )
     with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
-        return get_rope(cfg["qk_rope_head_dim"], max_position=cfg["max_position_embeddings"],
-                        rope_parameters=rope_parameters, is_neox_style=False, dtype=torch.float32)
+        return get_rope(
+            cfg["qk_rope_head_dim"],
+            max_position=cfg["max_position_embeddings"],
+            rope_parameters=rope_parameters,
+            is_neox_style=False,
+            dtype=torch.float32,
+        )
 
 
 def test_vllm_cpu_rotates_mla_queries_and_keys_like_transformers(tiny_dir):
@@ -53,10 +58,17 @@ def test_vllm_cpu_rotates_mla_queries_and_keys_like_transformers(tiny_dir):
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
     cfg = json.loads((tiny_dir / "config.json").read_text())
-    tokens, heads, nope, rope = 8, cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    tokens, heads, nope, rope = (
+        8,
+        cfg["num_attention_heads"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+    )
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(tokens, heads, nope + rope, generator=gen)                        # q_b_proj output
-    qkv_a = torch.randn(tokens, cfg["q_lora_rank"] + cfg["kv_lora_rank"] + rope, generator=gen)  # fused q_a/kv_a
+    q = torch.randn(tokens, heads, nope + rope, generator=gen)  # q_b_proj output
+    qkv_a = torch.randn(
+        tokens, cfg["q_lora_rank"] + cfg["kv_lora_rank"] + rope, generator=gen
+    )  # fused q_a/kv_a
     q_pe, k_pe = q[..., nope:].clone(), qkv_a[:, -rope:].clone()
     positions = torch.arange(tokens)
 
@@ -72,25 +84,32 @@ def test_vllm_cpu_rotates_mla_queries_and_keys_like_transformers(tiny_dir):
     err = (vllm_scores - hf_scores).abs().max().item()
     assert err < 1e-3 * hf_scores.abs().max().item(), (
         f"vLLM's rope for rope_parameters={cfg['rope_parameters']} gives other attention scores than transformers "
-        f"(max |Δ| {err:.3g}); plain RoPE hits vLLM-CPU's rotary_embedding kernel, which mishandles MLA's views")
+        f"(max |Δ| {err:.3g}); plain RoPE hits vLLM-CPU's rotary_embedding kernel, which mishandles MLA's views"
+    )
 
 
 def test_served_greedy_logprobs_match_transformers(tiny_dir, tmp_path):
     """vLLM's served greedy tokens score the same under transformers (fp32) as vLLM says, on eval prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompts = ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl"), AutoTokenizer.from_pretrained(tiny_dir),
-                               "You are DeepSeek-R1.")
+    prompts = ev.build_prompts(
+        ev.load_rows("data/eval_tiny.jsonl"), AutoTokenizer.from_pretrained(tiny_dir), "You are DeepSeek-R1."
+    )
     ids = [p.token_ids for p in prompts[:: len(prompts) // N_PROMPTS][:N_PROMPTS]]
     p = cpu_params()
-    with VLLMServer.from_params(p, tmp_path, str(tiny_dir)) as server:
+    with vllm_inference.server(p, tmp_path, str(tiny_dir)) as server:
         served = [vllm_generate(server.base_url, p.served_model_name, x, N_TOKENS) for x in ids]
     assert_no_server_left()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    diffs = [abs(a - b) for x, (toks, lps) in zip(ids, served)
-             for a, b in zip(hf_continuation_logprobs(model, x, toks), lps)]
+    diffs = [
+        abs(a - b)
+        for x, (toks, lps) in zip(ids, served)
+        for a, b in zip(hf_continuation_logprobs(model, x, toks), lps)
+    ]
     assert len(diffs) == N_PROMPTS * N_TOKENS
     mean = sum(diffs) / len(diffs)
-    assert mean < LOGPROB_TOL, (f"vLLM vs transformers: mean |Δ logprob| {mean:.4f} (max {max(diffs):.3f}) over "
-                                f"{len(diffs)} greedy tokens > {LOGPROB_TOL}")
+    assert mean < LOGPROB_TOL, (
+        f"vLLM vs transformers: mean |Δ logprob| {mean:.4f} (max {max(diffs):.3f}) over "
+        f"{len(diffs)} greedy tokens > {LOGPROB_TOL}"
+    )

@@ -22,7 +22,7 @@ SMALL = ["-p", "sample_limit", "96", "-p", "max_steps", "12", "-p", "save_every"
 
 
 def _train(run_dir: Path, *extra: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "dsr1kit.train", "-f", TINY, *SMALL, *extra, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "dsr1kit", "train", "-f", TINY, *SMALL, *extra, "--run-dir", str(run_dir)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -57,7 +57,10 @@ def test_outputs_are_a_loadable_peft_adapter_with_run_info(full_run, tiny_dir):
     assert info["samples"] == 96 and info["sources"][0]["rows"] == 360
     assert (info["batch_size"], info["grad_accum"], info["max_len"], info["epochs"]) == (4, 2, 256, 1)
     assert info["hosts"] == [socket.gethostname()] and info["ranks_agree"]
-    assert info["lora"]["modules"] == ["model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.q_b_proj"]
+    assert info["lora"]["modules"] == [
+        "model.layers.2.self_attn.q_a_proj",
+        "model.layers.2.self_attn.q_b_proj",
+    ]
 
 
 def test_metrics_are_written_as_training_goes(full_run):
@@ -78,9 +81,20 @@ def test_no_secret_in_any_output(full_run):
 
 def test_two_gloo_ranks_end_with_identical_adapters(tmp_path, full_run):
     port = free_port()
-    procs = [_train(tmp_path, env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, wait=False)
-             for r in range(2)]
+    procs = [
+        _train(
+            tmp_path,
+            env={
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+            wait=False,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     info = json.loads((tmp_path / "run_info.json").read_text())
@@ -139,12 +153,22 @@ def test_non_finite_loss_stops_with_step_and_batch_after_saving(tmp_path):
 
 
 def test_notebook_20_report_shows_data_curves_and_verdict(tmp_path, cli):
-    proc = cli("run", "notebooks/20_hari_training.ipynb", "-f", TINY, *SMALL, "--runs-dir", str(tmp_path), "-q")
+    proc = cli(
+        "run", "notebooks/20_hari_training.ipynb", "-f", TINY, *SMALL, "--runs-dir", str(tmp_path), "-q"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next(tmp_path.iterdir())
     html = (run_dir / "report.html").read_text()
-    for text in ("sft_tiny.jsonl", "truncated", "trainable parameters", "q_a_proj", "Verdict: OK",
-                 "steps done: 12 of 12", "‖lora_B‖", "data:image/png"):
+    for text in (
+        "sft_tiny.jsonl",
+        "truncated",
+        "trainable parameters",
+        "q_a_proj",
+        "Verdict: OK",
+        "steps done: 12 of 12",
+        "‖lora_B‖",
+        "data:image/png",
+    ):
         assert text in html, text
     assert (run_dir / "figures" / "training_curves.png").is_file()
     status = json.loads((run_dir / "status.json").read_text())
@@ -153,8 +177,21 @@ def test_notebook_20_report_shows_data_curves_and_verdict(tmp_path, cli):
 
 def test_qlora_nf4_trains_on_cpu(tmp_path):
     """NF4 base (bitsandbytes on CPU, incl. the eval-mode reference pass) still gets LoRA gradients."""
-    proc = _train(tmp_path, "-p", "quantization", "nf4", "-p", "dtype", "bfloat16", "-p", "max_steps", "3",
-                  "-p", "log_every", "1")
+    proc = _train(
+        tmp_path,
+        "-p",
+        "quantization",
+        "nf4",
+        "-p",
+        "dtype",
+        "bfloat16",
+        "-p",
+        "max_steps",
+        "3",
+        "-p",
+        "log_every",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["model"]["quantization"] == "nf4" and info["model"]["quirks"]["nf4_cpu_repack_disabled"] > 0
@@ -168,8 +205,24 @@ def test_qlora_nf4_trains_on_cpu(tmp_path):
 
 def test_hari_trains_on_the_nf4_experts_model(tmp_path):
     """quantize_experts: the streaming loader puts the fused experts in NF4; HARI still learns."""
-    proc = _train(tmp_path, "-p", "quantization", "nf4", "-p", "quantize_experts", "true", "-p", "dtype", "bfloat16",
-                  "-p", "max_steps", "3", "-p", "log_every", "1")
+    proc = _train(
+        tmp_path,
+        "-p",
+        "quantization",
+        "nf4",
+        "-p",
+        "quantize_experts",
+        "true",
+        "-p",
+        "dtype",
+        "bfloat16",
+        "-p",
+        "max_steps",
+        "3",
+        "-p",
+        "log_every",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["model"]["quantize_experts"] and info["model"]["memory_gib"] > 0

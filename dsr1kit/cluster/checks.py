@@ -49,12 +49,19 @@ _host = node_name
 def check_python(min_version: tuple[int, int] = (3, 10)) -> Row:
     v = sys.version_info
     ok = (v.major, v.minor) >= min_version
-    return Row("python", PASS if ok else FAIL, f"{v.major}.{v.minor}.{v.micro} ({sys.executable})",
-               f">= {min_version[0]}.{min_version[1]}", "" if ok else "activate the project's conda env",
-               _host())
+    return Row(
+        "python",
+        PASS if ok else FAIL,
+        f"{v.major}.{v.minor}.{v.micro} ({sys.executable})",
+        f">= {min_version[0]}.{min_version[1]}",
+        "" if ok else "activate the project's conda env",
+        _host(),
+    )
 
 
-def check_packages(required: Iterable[str] = REQUIRED_PACKAGES, optional: Iterable[str] = OPTIONAL_PACKAGES) -> list[Row]:
+def check_packages(
+    required: Iterable[str] = REQUIRED_PACKAGES, optional: Iterable[str] = OPTIONAL_PACKAGES
+) -> list[Row]:
     rows = []
     for name, needed in [(n, True) for n in required] + [(n, False) for n in optional]:
         try:
@@ -68,8 +75,16 @@ def check_packages(required: Iterable[str] = REQUIRED_PACKAGES, optional: Iterab
                     continue
                 except metadata.PackageNotFoundError:
                     pass
-            rows.append(Row(f"package {name}", FAIL if needed else WARN, "missing", "installed",
-                            f"conda env update -f environment.yml (or pip install {name})", _host()))
+            rows.append(
+                Row(
+                    f"package {name}",
+                    FAIL if needed else WARN,
+                    "missing",
+                    "installed",
+                    f"conda env update -f environment.yml (or pip install {name})",
+                    _host(),
+                )
+            )
     return rows
 
 
@@ -95,8 +110,12 @@ def driver_version() -> str:
     if not shutil.which("nvidia-smi"):
         return ""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return ""
     return out[0] if out else ""
@@ -107,17 +126,35 @@ def check_gpus(expected_per_node: int, gpus: list[dict] | None = None) -> Row:
     names = sorted({g["name"] for g in gpus})
     memory = sorted({g["memory_gib"] for g in gpus})
     driver = driver_version() if gpus else ""
-    measured = (f"{len(gpus)} × {', '.join(names)} ({', '.join(f'{m:g}' for m in memory)} GiB"
-                + (f", driver {driver})" if driver else ")")) if gpus else "0 (CPU only)"
+    measured = (
+        (
+            f"{len(gpus)} × {', '.join(names)} ({', '.join(f'{m:g}' for m in memory)} GiB"
+            + (f", driver {driver})" if driver else ")")
+        )
+        if gpus
+        else "0 (CPU only)"
+    )
     if expected_per_node == 0:
         return Row("gpu inventory", PASS, measured, "CPU run (0 GPUs expected)", "", _host())
     if len(gpus) < expected_per_node:
-        return Row("gpu inventory", FAIL, measured, f"{expected_per_node} per node",
-                   f"request `#SBATCH --gpus-per-node={expected_per_node}`; check CUDA_VISIBLE_DEVICES "
-                   f"is not narrowed by the job script", _host())
+        return Row(
+            "gpu inventory",
+            FAIL,
+            measured,
+            f"{expected_per_node} per node",
+            f"request `#SBATCH --gpus-per-node={expected_per_node}`; check CUDA_VISIBLE_DEVICES "
+            f"is not narrowed by the job script",
+            _host(),
+        )
     if len(names) > 1:
-        return Row("gpu inventory", WARN, measured, "one GPU model per node",
-                   "mixed GPU models: pin the partition/constraint", _host())
+        return Row(
+            "gpu inventory",
+            WARN,
+            measured,
+            "one GPU model per node",
+            "mixed GPU models: pin the partition/constraint",
+            _host(),
+        )
     return Row("gpu inventory", PASS, measured, f"{expected_per_node} per node", "", _host())
 
 
@@ -129,9 +166,19 @@ def check_shm(min_free_gib: float, path: str = "/dev/shm", stale_age_s: float = 
     free = usage.free / GIB
     measured = f"{free:.1f} GiB free of {usage.total / GIB:.1f} GiB"
     ok = free >= min_free_gib
-    rows = [Row("/dev/shm free", PASS if ok else FAIL, measured, f">= {min_free_gib:g} GiB free",
-                "" if ok else f"clean stale files in {path} (ray stop --force; rm -rf {path}/ray* "
-                f"{path}/nccl-*), or lower shm_min_free_gib / ask for a bigger /dev/shm", _host())]
+    rows = [
+        Row(
+            "/dev/shm free",
+            PASS if ok else FAIL,
+            measured,
+            f">= {min_free_gib:g} GiB free",
+            ""
+            if ok
+            else f"clean stale files in {path} (ray stop --force; rm -rf {path}/ray* "
+            f"{path}/nccl-*), or lower shm_min_free_gib / ask for a bigger /dev/shm",
+            _host(),
+        )
+    ]
     now = time.time()
     stale = []
     for entry in os.scandir(path):
@@ -140,10 +187,17 @@ def check_shm(min_free_gib: float, path: str = "/dev/shm", stale_age_s: float = 
                 stale.append(entry.name)
         except OSError:
             continue
-    rows.append(Row("/dev/shm stale files", WARN if stale else PASS,
-                    f"{len(stale)} older than {stale_age_s / 3600:g} h" + (f": {', '.join(stale[:5])}" if stale else ""),
-                    "none", f"remove them: rm -rf {path}/<name> (after ray stop --force)" if stale else "",
-                    _host()))
+    rows.append(
+        Row(
+            "/dev/shm stale files",
+            WARN if stale else PASS,
+            f"{len(stale)} older than {stale_age_s / 3600:g} h"
+            + (f": {', '.join(stale[:5])}" if stale else ""),
+            "none",
+            f"remove them: rm -rf {path}/<name> (after ray stop --force)" if stale else "",
+            _host(),
+        )
+    )
     return rows
 
 
@@ -156,18 +210,36 @@ def check_scratch(path: str, min_free_gib: float) -> Row:
     path = path or default_scratch()
     name = "scratch dir"
     if not os.path.isdir(path):
-        return Row(name, FAIL, f"{path} does not exist", "an existing node-local dir",
-                   f"create it in the job (mkdir -p {path}) or set scratch_dir to node-local NVMe", _host())
+        return Row(
+            name,
+            FAIL,
+            f"{path} does not exist",
+            "an existing node-local dir",
+            f"create it in the job (mkdir -p {path}) or set scratch_dir to node-local NVMe",
+            _host(),
+        )
     try:
         with tempfile.NamedTemporaryFile(dir=path):
             pass
     except OSError as err:
-        return Row(name, FAIL, f"{path} not writable ({err.strerror})", "writable",
-                   "choose a dir you own on node-local disk", _host())
+        return Row(
+            name,
+            FAIL,
+            f"{path} not writable ({err.strerror})",
+            "writable",
+            "choose a dir you own on node-local disk",
+            _host(),
+        )
     free = shutil.disk_usage(path).free / GIB
     ok = free >= min_free_gib
-    return Row(name, PASS if ok else WARN, f"{path}: {free:.1f} GiB free", f">= {min_free_gib:g} GiB free",
-               "" if ok else "free space there or point scratch_dir at a larger node-local disk", _host())
+    return Row(
+        name,
+        PASS if ok else WARN,
+        f"{path}: {free:.1f} GiB free",
+        f">= {min_free_gib:g} GiB free",
+        "" if ok else "free space there or point scratch_dir at a larger node-local disk",
+        _host(),
+    )
 
 
 def overall(rows: Iterable[Row]) -> str:
@@ -175,8 +247,9 @@ def overall(rows: Iterable[Row]) -> str:
     return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
 
 
-def local_checks(expected_gpus_per_node: int, shm_min_free_gib: float, scratch_dir: str,
-                 scratch_min_free_gib: float) -> list[Row]:
+def local_checks(
+    expected_gpus_per_node: int, shm_min_free_gib: float, scratch_dir: str, scratch_min_free_gib: float
+) -> list[Row]:
     """The checks that need nothing but this machine."""
     rows = [check_python(), *check_packages(), check_gpus(expected_gpus_per_node)]
     rows += check_shm(shm_min_free_gib)
@@ -193,8 +266,11 @@ def rows_frame(rows: Iterable[Row]):
 def verdict(rows: list[Row]) -> tuple[str, list[str]]:
     """Overall status and one line per failing/warning check with its fix."""
     status = overall(rows)
-    lines = [f"{r.status.upper()} {r.name} on {r.host}: {r.measured}" + (f" → {r.fix}" if r.fix else "")
-             for r in rows if r.status != PASS]
+    lines = [
+        f"{r.status.upper()} {r.name} on {r.host}: {r.measured}" + (f" → {r.fix}" if r.fix else "")
+        for r in rows
+        if r.status != PASS
+    ]
     counts = {s: sum(r.status == s for r in rows) for s in (PASS, WARN, FAIL)}
     lines.insert(0, f"{counts[PASS]} pass, {counts[WARN]} warn, {counts[FAIL]} fail of {len(rows)} checks")
     return status, lines
@@ -205,11 +281,13 @@ def plan_rows(named_plans, host: str) -> list[Row]:
     rows = []
     for name, plan in named_plans:
         fix = "" if plan.fits else "; ".join(plan.advice) or "; ".join(plan.problems())
-        rows.append(Row(f"memory plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host))
+        rows.append(
+            Row(f"memory plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host)
+        )
     return rows
 
 
-# -- gathering the per-rank results (written by dsr1kit.cluster.rank_check) -------------------
+# -- gathering the per-rank results (written by `dsr1kit rank-check`) -------------------
 def load_ranks(folder: str | Path) -> list[dict]:
     """Every rank-NNNN.json in `folder`, by rank."""
     import json
@@ -224,24 +302,53 @@ def gathered_rows(ranks: list[dict], expected_nodes: int) -> list[Row]:
     world = max((r["world_size"] for r in ranks), default=0)
     missing = sorted(set(range(world)) - {r["rank"] for r in ranks})
     if not ranks or missing:
-        rows.append(Row("ranks reported", FAIL, f"{len(ranks)} of {world or '?'} ranks" +
-                        (f"; missing {', '.join(map(str, missing))}" if missing else ""), "every rank",
-                        "read the job's output file (%x-%j.out) for the missing rank's traceback", "cluster"))
+        rows.append(
+            Row(
+                "ranks reported",
+                FAIL,
+                f"{len(ranks)} of {world or '?'} ranks"
+                + (f"; missing {', '.join(map(str, missing))}" if missing else ""),
+                "every rank",
+                "read the job's output file (%x-%j.out) for the missing rank's traceback",
+                "cluster",
+            )
+        )
     else:
         rows.append(Row("ranks reported", PASS, f"{world} of {world}", "every rank", "", "cluster"))
     nodes = sorted({r["node"] for r in ranks})
     ok = len(nodes) == expected_nodes
-    rows.append(Row("nodes", PASS if ok else FAIL, f"{len(nodes)}: {', '.join(nodes)}", f"{expected_nodes}",
-                    "" if ok else f"submit with `sbatch -N {expected_nodes}` (#SBATCH --nodes={expected_nodes}) "
-                    "and one task per node, or fix expected_nodes", "cluster"))
-    kinds = {n: sorted((g["name"], g["memory_gib"]) for g in r["gpus"]) for r in ranks for n in [r["node"]]
-             if r["local_rank"] == 0}
+    rows.append(
+        Row(
+            "nodes",
+            PASS if ok else FAIL,
+            f"{len(nodes)}: {', '.join(nodes)}",
+            f"{expected_nodes}",
+            ""
+            if ok
+            else f"submit with `sbatch -N {expected_nodes}` (#SBATCH --nodes={expected_nodes}) "
+            "and one task per node, or fix expected_nodes",
+            "cluster",
+        )
+    )
+    kinds = {
+        n: sorted((g["name"], g["memory_gib"]) for g in r["gpus"])
+        for r in ranks
+        for n in [r["node"]]
+        if r["local_rank"] == 0
+    }
     same = len({tuple(v) for v in kinds.values()}) <= 1
-    rows.append(Row("gpu inventory across nodes", PASS if same else FAIL,
-                    "identical" if same else "; ".join(f"{n}: {len(v)} × {v[0][0] if v else '-'}"
-                                                      for n, v in kinds.items()),
-                    "the same GPUs on every node", "" if same else
-                    "pin the partition/constraint (#SBATCH --constraint=...) so all nodes match", "cluster"))
+    rows.append(
+        Row(
+            "gpu inventory across nodes",
+            PASS if same else FAIL,
+            "identical"
+            if same
+            else "; ".join(f"{n}: {len(v)} × {v[0][0] if v else '-'}" for n, v in kinds.items()),
+            "the same GPUs on every node",
+            "" if same else "pin the partition/constraint (#SBATCH --constraint=...) so all nodes match",
+            "cluster",
+        )
+    )
     for r in ranks:
         rows += [Row(**row) for row in r["rows"]]
     return rows

@@ -35,7 +35,9 @@ def interfaces() -> dict[str, Interface]:
     for name, addrs in psutil.net_if_addrs().items():
         v4 = next((a for a in addrs if a.family == socket.AF_INET), None)
         net = ipaddress.IPv4Interface(f"{v4.address}/{v4.netmask}").network if v4 and v4.netmask else None
-        out[name] = Interface(name, v4.address if v4 else None, net, bool(stats.get(name) and stats[name].isup))
+        out[name] = Interface(
+            name, v4.address if v4 else None, net, bool(stats.get(name) and stats[name].isup)
+        )
     return out
 
 
@@ -65,7 +67,9 @@ def default_route_interface() -> str | None:
     return None
 
 
-def chosen_interface(env: Mapping[str, str] | None = None, ifaces: dict[str, Interface] | None = None) -> Interface | None:
+def chosen_interface(
+    env: Mapping[str, str] | None = None, ifaces: dict[str, Interface] | None = None
+) -> Interface | None:
     """The interface collectives will use: GLOO_SOCKET_IFNAME, else NCCL's pick, else ib*/default route."""
     env = os.environ if env is None else env
     ifaces = interfaces() if ifaces is None else ifaces
@@ -80,8 +84,12 @@ def chosen_interface(env: Mapping[str, str] | None = None, ifaces: dict[str, Int
     return ifaces.get(name) if name else None
 
 
-def check_interface(gpu_run: bool, loopback_ok: bool, env: Mapping[str, str] | None = None,
-                    ifaces: dict[str, Interface] | None = None) -> Row:
+def check_interface(
+    gpu_run: bool,
+    loopback_ok: bool,
+    env: Mapping[str, str] | None = None,
+    ifaces: dict[str, Interface] | None = None,
+) -> Row:
     """NCCL/Gloo interface: exists, is InfiniBand on GPU runs, is not loopback across hosts."""
     env = os.environ if env is None else env
     ifaces = interfaces() if ifaces is None else ifaces
@@ -90,38 +98,68 @@ def check_interface(gpu_run: bool, loopback_ok: bool, env: Mapping[str, str] | N
     name = "network interface"
     chosen = chosen_interface(env, ifaces)
     if chosen is None:
-        return Row(name, FAIL, f"{setting or 'no setting'} selects no interface (up: {have})",
-                   "an existing interface", "unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME or name one that exists "
-                   "here; slurm/prelude.sh picks ib0 when present, else ^lo,docker0", node_name())
+        return Row(
+            name,
+            FAIL,
+            f"{setting or 'no setting'} selects no interface (up: {have})",
+            "an existing interface",
+            "unset NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME or name one that exists "
+            "here; slurm/prelude.sh picks ib0 when present, else ^lo,docker0",
+            node_name(),
+        )
     measured = f"{chosen.name} ({chosen.ipv4})" + (f" via {setting}" if setting else "")
     if chosen.name == "lo" and not loopback_ok:
-        return Row(name, FAIL, measured, "an interface that reaches the other nodes",
-                   "loopback cannot reach other hosts: export NCCL_SOCKET_IFNAME=^lo,docker0", node_name())
+        return Row(
+            name,
+            FAIL,
+            measured,
+            "an interface that reaches the other nodes",
+            "loopback cannot reach other hosts: export NCCL_SOCKET_IFNAME=^lo,docker0",
+            node_name(),
+        )
     if gpu_run and not chosen.name.startswith("ib"):
-        return Row(name, WARN, measured + "; no ib* interface", "ib* (InfiniBand) for inter-node traffic",
-                   "check the IB driver/IPoIB (ibstat, ip link); over Ethernet expect far less all-reduce bandwidth",
-                   node_name())
+        return Row(
+            name,
+            WARN,
+            measured + "; no ib* interface",
+            "ib* (InfiniBand) for inter-node traffic",
+            "check the IB driver/IPoIB (ibstat, ip link); over Ethernet expect far less all-reduce bandwidth",
+            node_name(),
+        )
     return Row(name, PASS, measured, "ib* preferred, else ^lo,docker0", "", node_name())
 
 
-def check_advertised_ip(ip: str, env: Mapping[str, str] | None = None,
-                        ifaces: dict[str, Interface] | None = None) -> Row:
+def check_advertised_ip(
+    ip: str, env: Mapping[str, str] | None = None, ifaces: dict[str, Interface] | None = None
+) -> Row:
     """The IP Ray and vLLM advertise must be this node's and on the interface NCCL/Gloo use."""
     ifaces = interfaces() if ifaces is None else ifaces
     chosen = chosen_interface(env, ifaces)
     name = "advertised ip"
     addr = ipaddress.IPv4Address(ip)
     owner = next((i for i in ifaces.values() if i.ipv4 == ip), None) or next(
-        (i for i in ifaces.values() if i.network and i.name == "lo" and addr in i.network), None)
+        (i for i in ifaces.values() if i.network and i.name == "lo" and addr in i.network), None
+    )
     if owner is None:
-        return Row(name, FAIL, f"{ip} is not an address of this node", "an IPv4 of this node",
-                   "start Ray with --node-ip-address set to this node's IP (slurm/prelude.sh exports NODE_IP)",
-                   node_name())
+        return Row(
+            name,
+            FAIL,
+            f"{ip} is not an address of this node",
+            "an IPv4 of this node",
+            "start Ray with --node-ip-address set to this node's IP (slurm/prelude.sh exports NODE_IP)",
+            node_name(),
+        )
     measured = f"Ray/vLLM advertise {ip} ({owner.name}); NCCL/Gloo use {chosen.name if chosen else '?'}"
     if chosen and owner.name != chosen.name:
-        return Row(name, WARN, measured, "the same interface",
-                   f"export NCCL_SOCKET_IFNAME={owner.name} GLOO_SOCKET_IFNAME={owner.name}, or advertise "
-                   f"{chosen.ipv4} (NODE_IP) so control and data traffic share one network", node_name())
+        return Row(
+            name,
+            WARN,
+            measured,
+            "the same interface",
+            f"export NCCL_SOCKET_IFNAME={owner.name} GLOO_SOCKET_IFNAME={owner.name}, or advertise "
+            f"{chosen.ipv4} (NODE_IP) so control and data traffic share one network",
+            node_name(),
+        )
     return Row(name, PASS, measured, "the same interface", "", node_name())
 
 
@@ -139,10 +177,22 @@ def check_resolution(hosts: list[str], env: Mapping[str, str] | None = None) -> 
     measured = ", ".join(seen) or "-"
     name = "host resolution"
     if errors:
-        return Row(name, FAIL, "; ".join(errors), "every node name resolves",
-                   "add the nodes to DNS or /etc/hosts on every node (ask the admins)", node_name())
+        return Row(
+            name,
+            FAIL,
+            "; ".join(errors),
+            "every node name resolves",
+            "add the nodes to DNS or /etc/hosts on every node (ask the admins)",
+            node_name(),
+        )
     if via_slurm:
-        return Row(name, WARN, measured + f" ({', '.join(via_slurm)} only through Slurm's NodeAddr)",
-                   "every node name resolves by DNS", "add the node names to DNS or /etc/hosts: Ray, vLLM and "
-                   "ssh do not ask Slurm (dsr1kit uses the NodeAddr IPs)", node_name())
+        return Row(
+            name,
+            WARN,
+            measured + f" ({', '.join(via_slurm)} only through Slurm's NodeAddr)",
+            "every node name resolves by DNS",
+            "add the node names to DNS or /etc/hosts: Ray, vLLM and "
+            "ssh do not ask Slurm (dsr1kit uses the NodeAddr IPs)",
+            node_name(),
+        )
     return Row(name, PASS, measured, "every node name resolves", "", node_name())

@@ -43,10 +43,27 @@ def cluster_state(address: str, node_ip: str | None = None, timeout: float = 60)
     except (OSError, ValueError) as err:
         return {"address": address, "error": f"nothing answers at {address} ({err})", "nodes": []}
     try:
-        proc = subprocess.run([sys.executable, "-m", "dsr1kit.cluster.ray", "_state", "--address", address,
-                               "--node-ip", node_ip], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dsr1kit.cluster.ray",
+                "_state",
+                "--address",
+                address,
+                "--node-ip",
+                node_ip,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
-        return {"address": address, "error": f"no answer from Ray at {address} within {timeout:g} s", "nodes": []}
+        return {
+            "address": address,
+            "error": f"no answer from Ray at {address} within {timeout:g} s",
+            "nodes": [],
+        }
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"address": address, "error": f"cannot connect to Ray at {address}: {tail}", "nodes": []}
@@ -56,25 +73,45 @@ def cluster_state(address: str, node_ip: str | None = None, timeout: float = 60)
 def _state_in_driver(address: str, node_ip: str) -> dict[str, Any]:
     import ray
 
-    ray.init(address=address, _node_ip_address=node_ip, logging_level="ERROR", log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        address=address,
+        _node_ip_address=node_ip,
+        logging_level="ERROR",
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
-        nodes = [{"ip": n["NodeManagerAddress"], "hostname": n["NodeManagerHostname"],
-                  "cpus": n["Resources"].get("CPU", 0), "gpus": n["Resources"].get("GPU", 0),
-                  "head": "node:__internal_head__" in n["Resources"]} for n in ray.nodes() if n["Alive"]]
+        nodes = [
+            {
+                "ip": n["NodeManagerAddress"],
+                "hostname": n["NodeManagerHostname"],
+                "cpus": n["Resources"].get("CPU", 0),
+                "gpus": n["Resources"].get("GPU", 0),
+                "head": "node:__internal_head__" in n["Resources"],
+            }
+            for n in ray.nodes()
+            if n["Alive"]
+        ]
         total = ray.cluster_resources()
     finally:
         ray.shutdown()
-    return {"address": address, "nodes": sorted(nodes, key=lambda n: (not n["head"], n["ip"])),
-            "cpus": total.get("CPU", 0), "gpus": total.get("GPU", 0)}
+    return {
+        "address": address,
+        "nodes": sorted(nodes, key=lambda n: (not n["head"], n["ip"])),
+        "cpus": total.get("CPU", 0),
+        "gpus": total.get("GPU", 0),
+    }
 
 
 def missing_nodes(state: dict[str, Any], expected: list[tuple[str, str | None]]) -> list[str]:
     """Expected (name, ip or None) not seen alive: matched by IP when known, else by host name."""
     ips = {n["ip"] for n in state["nodes"]}
     hosts = {n["hostname"].split(".")[0] for n in state["nodes"]}
-    return [f"{name} ({ip})" if ip else name for name, ip in expected
-            if (ip not in ips if ip else name.split(".")[0] not in hosts)]
+    return [
+        f"{name} ({ip})" if ip else name
+        for name, ip in expected
+        if (ip not in ips if ip else name.split(".")[0] not in hosts)
+    ]
 
 
 def expected_from_slurm() -> list[tuple[str, str | None]]:
@@ -88,8 +125,15 @@ def expected_from_slurm() -> list[tuple[str, str | None]]:
     return [(h, ips[i] if i < len(ips) else None) for i, h in enumerate(job.hostnames)]
 
 
-def wait_for_cluster(address: str, nodes: int, gpus: int = 0, expected: list[tuple[str, str | None]] | None = None,
-                     node_ip: str | None = None, timeout: float = 300, poll: float = 2) -> dict[str, Any]:
+def wait_for_cluster(
+    address: str,
+    nodes: int,
+    gpus: int = 0,
+    expected: list[tuple[str, str | None]] | None = None,
+    node_ip: str | None = None,
+    timeout: float = 300,
+    poll: float = 2,
+) -> dict[str, Any]:
     """Poll until `nodes` nodes (and `gpus` GPUs) are alive; raise RayClusterIncomplete naming who is missing."""
     deadline = time.monotonic() + timeout
     while True:
@@ -101,8 +145,9 @@ def wait_for_cluster(address: str, nodes: int, gpus: int = 0, expected: list[tup
         time.sleep(poll)
 
 
-def describe_shortfall(state: dict[str, Any], nodes: int, gpus: int, expected: list[tuple[str, str | None]],
-                       waited: float) -> str:
+def describe_shortfall(
+    state: dict[str, Any], nodes: int, gpus: int, expected: list[tuple[str, str | None]], waited: float
+) -> str:
     if state.get("error"):
         return f"after {waited:g} s: {state['error']}"
     joined = ", ".join(f"{n['ip']} ({n['hostname']})" for n in state["nodes"]) or "none"
@@ -115,25 +160,49 @@ def describe_shortfall(state: dict[str, Any], nodes: int, gpus: int, expected: l
     return msg
 
 
-def ray_rows(state: dict[str, Any], nodes: int, gpus: int = 0,
-             expected: list[tuple[str, str | None]] | None = None) -> list[Row]:
+def ray_rows(
+    state: dict[str, Any], nodes: int, gpus: int = 0, expected: list[tuple[str, str | None]] | None = None
+) -> list[Row]:
     """Rows for the report: did every node join, are the GPUs there."""
-    fix = ("read the Ray logs under the job's RAY_TMP_ROOT/ray-JOBID-* dirs; check that workers reach the head's "
-           "IP and port (firewall, advertised ip row); recovery: slurm/ray_cluster.sh down, then up")
+    fix = (
+        "read the Ray logs under the job's RAY_TMP_ROOT/ray-JOBID-* dirs; check that workers reach the head's "
+        "IP and port (firewall, advertised ip row); recovery: slurm/ray_cluster.sh down, then up"
+    )
     if state.get("error"):
         return [Row("ray nodes", FAIL, state["error"], f"{nodes} nodes", fix, "cluster")]
     names = {ip: name for name, ip in expected or [] if ip}
-    joined = ", ".join(" ".join(filter(None, [names.get(n["ip"]), n["ip"], "(head)" if n["head"] else ""]))
-                       for n in state["nodes"])
+    joined = ", ".join(
+        " ".join(filter(None, [names.get(n["ip"]), n["ip"], "(head)" if n["head"] else ""]))
+        for n in state["nodes"]
+    )
     ok = len(state["nodes"]) >= nodes
-    rows = [Row("ray nodes", PASS if ok else FAIL, f"{len(state['nodes'])} alive: {joined}", f"{nodes} nodes",
-                "" if ok else describe_shortfall(state, nodes, 0, expected or [], 0).split(": ", 1)[-1] + " → " + fix,
-                "cluster")]
+    rows = [
+        Row(
+            "ray nodes",
+            PASS if ok else FAIL,
+            f"{len(state['nodes'])} alive: {joined}",
+            f"{nodes} nodes",
+            ""
+            if ok
+            else describe_shortfall(state, nodes, 0, expected or [], 0).split(": ", 1)[-1] + " → " + fix,
+            "cluster",
+        )
+    ]
     if gpus:
         ok = state["gpus"] >= gpus
-        rows.append(Row("ray gpus", PASS if ok else FAIL, f"{state['gpus']:g} GPUs, {state['cpus']:g} CPUs",
-                        f"{gpus} GPUs", "" if ok else "start every worker on a node with its GPUs visible "
-                        "(--gpus-per-node in the job; CUDA_VISIBLE_DEVICES not narrowed)", "cluster"))
+        rows.append(
+            Row(
+                "ray gpus",
+                PASS if ok else FAIL,
+                f"{state['gpus']:g} GPUs, {state['cpus']:g} CPUs",
+                f"{gpus} GPUs",
+                ""
+                if ok
+                else "start every worker on a node with its GPUs visible "
+                "(--gpus-per-node in the job; CUDA_VISIBLE_DEVICES not narrowed)",
+                "cluster",
+            )
+        )
     return rows
 
 
@@ -212,8 +281,9 @@ def stop(temp_dir: str | Path, all_ray: bool = False, grace_s: float = 3) -> lis
     _terminate([p for p in pids if _is_blocking_start(p)], grace_s=15)
     _terminate([p for p in pids if _alive(p)], grace_s)
     if all_ray:
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=120
+        )
     shutil.rmtree(temp_dir, ignore_errors=True)
     return pids
 
@@ -227,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--gpus", type=int, default=0)
     w.add_argument("--timeout", type=float, default=300)
     for name in ("state", "_state"):
-        s = sub.add_parser(name, help="alive nodes and resources as JSON" if name == "state" else argparse.SUPPRESS)
+        s = sub.add_parser(
+            name, help="alive nodes and resources as JSON" if name == "state" else argparse.SUPPRESS
+        )
         s.add_argument("--address", required=True)
         s.add_argument("--node-ip", default=None)
     st = sub.add_parser("stop", help="stop the Ray node using --temp-dir and remove the dir")
@@ -240,16 +312,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cluster_state(args.address, args.node_ip), indent=1))
     elif args.cmd == "wait":
         try:
-            state = wait_for_cluster(args.address, args.nodes, args.gpus, expected_from_slurm(),
-                                     timeout=args.timeout)
+            state = wait_for_cluster(
+                args.address, args.nodes, args.gpus, expected_from_slurm(), timeout=args.timeout
+            )
         except RayClusterIncomplete as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        print(f"ray: {len(state['nodes'])} nodes, {state['cpus']:g} CPUs, {state['gpus']:g} GPUs at {args.address}")
+        print(
+            f"ray: {len(state['nodes'])} nodes, {state['cpus']:g} CPUs, {state['gpus']:g} GPUs at {args.address}"
+        )
     else:
         pids = stop(args.temp_dir, all_ray=args.all)
-        print(f"ray stopped on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}: {len(pids)} processes, "
-              f"{args.temp_dir} removed" + (", ray stop --force" if args.all else ""))
+        print(
+            f"ray stopped on {os.environ.get('SLURMD_NODENAME', os.uname().nodename)}: {len(pids)} processes, "
+            f"{args.temp_dir} removed" + (", ray stop --force" if args.all else "")
+        )
     return 0
 
 

@@ -39,12 +39,19 @@ def process_ranks(env: Mapping[str, str] | None = None) -> tuple[int, int, int, 
 
 
 # -- node list ------------------------------------------------------------------------------
-def expand_nodelist(nodelist: str, env: Mapping[str, str] | None = None, use_scontrol: bool = True) -> list[str]:
+def expand_nodelist(
+    nodelist: str, env: Mapping[str, str] | None = None, use_scontrol: bool = True
+) -> list[str]:
     """`scontrol show hostnames NODELIST`; the same expansion in Python where scontrol cannot run."""
     if use_scontrol:
         try:
-            proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                  timeout=20, env=dict(env) if env is not None else None)
+            proc = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                env=dict(env) if env is not None else None,
+            )
             if proc.returncode == 0 and proc.stdout.strip():
                 return proc.stdout.split()
         except (OSError, subprocess.SubprocessError):
@@ -99,15 +106,25 @@ def resolve_ipv4(host: str, env: Mapping[str, str] | None = None) -> tuple[str, 
                 return socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0], f"slurm NodeAddr {addr}"
             except socket.gaierror:
                 pass
-    raise ResolveError(f"cannot resolve {host!r} to IPv4: not in DNS or /etc/hosts"
-                       + (f", and Slurm's NodeAddr {addr!r} does not resolve either" if addr else
-                          " and Slurm knows no NodeAddr for it"))
+    raise ResolveError(
+        f"cannot resolve {host!r} to IPv4: not in DNS or /etc/hosts"
+        + (
+            f", and Slurm's NodeAddr {addr!r} does not resolve either"
+            if addr
+            else " and Slurm knows no NodeAddr for it"
+        )
+    )
 
 
 def _slurm_node_addr(host: str, env: Mapping[str, str] | None) -> str | None:
     try:
-        proc = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True,
-                              timeout=10, env=dict(env) if env is not None else None)
+        proc = subprocess.run(
+            ["scontrol", "show", "node", "-o", host],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            env=dict(env) if env is not None else None,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"\bNodeAddr=(\S+)", proc.stdout)
@@ -120,8 +137,9 @@ def rendezvous_port(job_id: int) -> int:
     return PORT_BASE + job_id % PORT_SPAN
 
 
-def master_endpoint(job_id: int, hostnames: list[str], node_name: str = "",
-                    env: Mapping[str, str] | None = None) -> tuple[str, int]:
+def master_endpoint(
+    job_id: int, hostnames: list[str], node_name: str = "", env: Mapping[str, str] | None = None
+) -> tuple[str, int]:
     """(MASTER_ADDR, MASTER_PORT): the job's first host (else this node) as IPv4, and the job's port."""
     first = hostnames[0] if hostnames else node_name or socket.gethostname()
     return resolve_ipv4(first, env)[0], rendezvous_port(job_id)

@@ -69,15 +69,26 @@ class SlurmJob:
         if not env.get("SLURM_JOB_ID"):
             return None
         nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-        per_node = _int(env.get("SLURM_NTASKS_PER_NODE")) or _int(
-            env.get("SLURM_TASKS_PER_NODE", "1").split("(")[0]) or 1
+        per_node = (
+            _int(env.get("SLURM_NTASKS_PER_NODE"))
+            or _int(env.get("SLURM_TASKS_PER_NODE", "1").split("(")[0])
+            or 1
+        )
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        job = cls(job_id=int(env["SLURM_JOB_ID"]), nodelist=nodelist, num_nodes=nodes,
-                  ntasks=int(env.get("SLURM_NTASKS") or nodes * per_node), ntasks_per_node=per_node,
-                  gpus_per_node=_int(env.get("SLURM_GPUS_PER_NODE")), gpus_per_task=_gpus_per_task(env),
-                  node_id=int(env.get("SLURM_NODEID", 0)), proc_id=int(env.get("SLURM_PROCID", 0)),
-                  local_id=int(env.get("SLURM_LOCALID", 0)), node_name=env.get("SLURMD_NODENAME", ""),
-                  job_name=env.get("SLURM_JOB_NAME", ""))
+        job = cls(
+            job_id=int(env["SLURM_JOB_ID"]),
+            nodelist=nodelist,
+            num_nodes=nodes,
+            ntasks=int(env.get("SLURM_NTASKS") or nodes * per_node),
+            ntasks_per_node=per_node,
+            gpus_per_node=_int(env.get("SLURM_GPUS_PER_NODE")),
+            gpus_per_task=_gpus_per_task(env),
+            node_id=int(env.get("SLURM_NODEID", 0)),
+            proc_id=int(env.get("SLURM_PROCID", 0)),
+            local_id=int(env.get("SLURM_LOCALID", 0)),
+            node_name=env.get("SLURMD_NODENAME", ""),
+            job_name=env.get("SLURM_JOB_NAME", ""),
+        )
         if expand and nodelist:
             job.hostnames = expand_nodelist(nodelist, env=env)
             # Inside an srun step SLURM_NTASKS_PER_NODE etc. describe the step; the job's own
@@ -113,8 +124,13 @@ class SlurmJob:
 def job_request(job_id: int, env: Mapping[str, str] | None = None) -> dict[str, int | None]:
     """The job's layout as submitted, from `scontrol show job -o`; {} when scontrol cannot tell."""
     try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
-                              timeout=20, env=dict(env) if env is not None else None)
+        proc = subprocess.run(
+            ["scontrol", "show", "job", "-o", str(job_id)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=dict(env) if env is not None else None,
+        )
     except (OSError, subprocess.SubprocessError):
         return {}
     return parse_job_request(proc.stdout) if proc.returncode == 0 else {}
@@ -134,8 +150,11 @@ def parse_job_request(line: str) -> dict[str, int | None]:
         m = re.search(r"gpu(?::[^,:=]+)?[:=](\d+)", tres or "")
         return int(m.group(1)) if m else None
 
-    return {"ntasks_per_node": per_node or None, "gpus_per_node": gpus(fields.get("TresPerNode")),
-            "gpus_per_task": gpus(fields.get("TresPerTask"))}
+    return {
+        "ntasks_per_node": per_node or None,
+        "gpus_per_node": gpus(fields.get("TresPerNode")),
+        "gpus_per_task": gpus(fields.get("TresPerTask")),
+    }
 
 
 # -- rendezvous and node IP -----------------------------------------------------------------
@@ -161,9 +180,11 @@ def node_ip(job: SlurmJob | None = None, env: Mapping[str, str] | None = None) -
 
 # -- GPU visibility -------------------------------------------------------------------------
 def trap_fix(gpus: int) -> str:
-    return (f"use `#SBATCH --gpus-per-node={gpus}` and `#SBATCH --ntasks-per-node=1` (one process per node "
-            f"sees all its GPUs); never --gpus-per-task=1, which shows each process only "
-            f"CUDA_VISIBLE_DEVICES=0 so cuda:local_rank fails with 'invalid device ordinal'")
+    return (
+        f"use `#SBATCH --gpus-per-node={gpus}` and `#SBATCH --ntasks-per-node=1` (one process per node "
+        f"sees all its GPUs); never --gpus-per-task=1, which shows each process only "
+        f"CUDA_VISIBLE_DEVICES=0 so cuda:local_rank fails with 'invalid device ordinal'"
+    )
 
 
 def gpu_visibility(job: SlurmJob | None, expected_per_node: int, env: Mapping[str, str] | None = None) -> Row:
@@ -178,12 +199,24 @@ def gpu_visibility(job: SlurmJob | None, expected_per_node: int, env: Mapping[st
     expected = f"one process per node sees all {want} GPUs" if want else "CPU run: any"
     name = "gpu visibility"
     if job and job.gpus_per_task and (job.ntasks_per_node > 1 or job.gpus_per_task < expected_per_node):
-        return Row(name, FAIL, measured + f": each of the {job.ntasks_per_node} processes per node would see "
-                   f"{job.gpus_per_task} GPU", expected, trap_fix(want or 8), node_name())
+        return Row(
+            name,
+            FAIL,
+            measured + f": each of the {job.ntasks_per_node} processes per node would see "
+            f"{job.gpus_per_task} GPU",
+            expected,
+            trap_fix(want or 8),
+            node_name(),
+        )
     if expected_per_node and visible is not None and len(visible) < expected_per_node:
-        return Row(name, FAIL, measured + f": {len(visible)} of {expected_per_node} GPUs visible", expected,
-                   trap_fix(expected_per_node) + "; and do not narrow CUDA_VISIBLE_DEVICES in the script",
-                   node_name())
+        return Row(
+            name,
+            FAIL,
+            measured + f": {len(visible)} of {expected_per_node} GPUs visible",
+            expected,
+            trap_fix(expected_per_node) + "; and do not narrow CUDA_VISIBLE_DEVICES in the script",
+            node_name(),
+        )
     return Row(name, PASS, measured, expected, "", node_name())
 
 
@@ -200,7 +233,9 @@ def shell_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsr1kit.cluster.slurm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dsr1kit.cluster.slurm", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("what", choices=["env", "hostnames", "rendezvous", "node-ip"])
     args = parser.parse_args(argv)
     try:

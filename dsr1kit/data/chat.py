@@ -61,7 +61,9 @@ def assistant_text(row: dict[str, Any]) -> str | None:
     return f"<think>\n{str(rationale).strip()}\n</think>\n{block}"
 
 
-def to_messages(row: dict[str, Any], system_prompt: str = DEFAULT_SYSTEM, with_answer: bool = True) -> list[dict] | None:
+def to_messages(
+    row: dict[str, Any], system_prompt: str = DEFAULT_SYSTEM, with_answer: bool = True
+) -> list[dict] | None:
     """Chat messages for a row, or None if the row lacks a question (or an answer when needed)."""
     user = user_text(row)
     if user is None:

@@ -6,7 +6,8 @@ the assistant content as the data wrote it (reasoning included, even under
 templates such as DeepSeek-R1's that drop it), then the end of the turn.
 Samples longer than ``max_len`` are truncated and counted. Per source, the
 trained tokens are split into reasoning and answer, so a report shows what
-is actually trained.
+is actually trained. ``encode_row`` is the kit's one chat encoder: measurement
+(``dsr1kit.measure``) scores exactly the tokens training trains.
 """
 
 from __future__ import annotations
@@ -53,30 +54,48 @@ def encode_messages(tokenizer, messages: list[dict], max_len: int) -> tuple[list
     return encode_rendered(render_chat(tokenizer, messages), max_len)
 
 
+def encode_row(
+    tokenizer, row: dict[str, Any], max_len: int, system_prompt: str
+) -> tuple[Rendered, Encoded] | None:
+    """One row as training encodes it: its rendered chat, ids and labels; None without question or answer."""
+    messages = to_messages(row, system_prompt)
+    if messages is None:
+        return None
+    rendered = render_chat(tokenizer, messages)
+    ids, labels, truncated = encode_rendered(rendered, max_len)
+    return rendered, Encoded(str(row.get("id")), ids, labels, truncated)
+
+
 def labelled_example(rendered: Rendered, source: str, row_id: str) -> dict[str, Any]:
     """The rendered text of one example split into prompt / trained reasoning / trained answer."""
     start, end = rendered.reasoning
     text = rendered.target_text
-    return {"source": source, "id": row_id, "how": rendered.how, "prompt": rendered.prompt_text,
-            "before_reasoning": text[:start], "reasoning": text[start:end], "answer": text[end:]}
+    return {
+        "source": source,
+        "id": row_id,
+        "how": rendered.how,
+        "prompt": rendered.prompt_text,
+        "before_reasoning": text[:start],
+        "reasoning": text[start:end],
+        "answer": text[end:],
+    }
 
 
 def encode_rows(tokenizer, rows: list[dict[str, Any]], max_len: int, system_prompt: str) -> EncodedSet:
-    """Rows → encoded examples, counting skipped, truncated and target-less rows and trained tokens per source."""
+    """Rows → encoded examples, counting skipped, truncated and target-less rows, trained tokens per source."""
     result = EncodedSet(examples=[])
     for row in rows:
         src = row.get("_source", "?")
         counts = result.per_source.setdefault(src, dict.fromkeys(COUNTS, 0))
         counts["rows"] += 1
-        messages = to_messages(row, system_prompt)
-        if messages is None:
+        encoded = encode_row(tokenizer, row, max_len, system_prompt)
+        if encoded is None:
             result.skipped += 1
             counts["skipped"] += 1
             continue
-        rendered = render_chat(tokenizer, messages)
-        ids, labels, truncated = encode_rendered(rendered, max_len)
-        n_prompt = len(rendered.prompt_ids)
-        trained = max(0, len(labels) - n_prompt)
+        rendered, example = encoded
+        truncated = example.truncated
+        trained = max(0, len(example.labels) - len(rendered.prompt_ids))
         if trained == 0:
             result.no_target += 1
             counts["skipped"] += 1
@@ -91,7 +110,7 @@ def encode_rows(tokenizer, rows: list[dict[str, Any]], max_len: int, system_prom
         result.rendering[rendered.how] = result.rendering.get(rendered.how, 0) + 1
         if not result.example or (not result.example["reasoning"] and rendered.reasoning[1] > 0):
             result.example = labelled_example(rendered, src, str(row.get("id")))  # prefer one with reasoning
-        result.examples.append(Encoded(str(row.get("id")), ids, labels, truncated))
+        result.examples.append(example)
     return result
 
 
@@ -108,6 +127,8 @@ def collate(examples: list[Encoded], pad_id: int, vocab_size: int) -> dict[str, 
         mask[i, :n] = 1
     top = int(ids.max())
     if top >= vocab_size or pad_id >= vocab_size:
-        raise ValueError(f"token id {max(top, pad_id)} >= model vocab {vocab_size}: resize the embeddings "
-                         f"(dsr1kit.model.load.ensure_vocab) before training")
+        raise ValueError(
+            f"token id {max(top, pad_id)} >= model vocab {vocab_size}: resize the embeddings "
+            f"(dsr1kit.model.load.ensure_vocab) before training"
+        )
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -62,7 +62,9 @@ def _limit(raw: Any, where: str) -> int | None:
     try:
         n = int(raw)
     except (TypeError, ValueError):
-        raise DatasetPlanError(f"{where}: limit {raw!r} is not a number (use an integer, ALL or nothing)") from None
+        raise DatasetPlanError(
+            f"{where}: limit {raw!r} is not a number (use an integer, ALL or nothing)"
+        ) from None
     if n < 0:
         raise DatasetPlanError(f"{where}: limit {n} is negative")
     return n
@@ -84,12 +86,19 @@ def parse_plan(plan: str) -> list[Source]:
                 raise DatasetPlanError(f"dataset plan entry {i} must be an object with a 'name': {item!r}")
             unknown = set(item) - {"name", "max_n", "splits"}
             if unknown:
-                raise DatasetPlanError(f"dataset plan entry {i}: unknown keys {sorted(unknown)}; valid: name, max_n, splits")
+                raise DatasetPlanError(
+                    f"dataset plan entry {i}: unknown keys {sorted(unknown)}; valid: name, max_n, splits"
+                )
             splits = item.get("splits")
             if isinstance(splits, str):
                 splits = splits.replace("+", ",").split(",")
-            out.append(Source(item["name"], _limit(item.get("max_n"), item["name"]),
-                              tuple(s.strip() for s in splits if s.strip()) if splits else None))
+            out.append(
+                Source(
+                    item["name"],
+                    _limit(item.get("max_n"), item["name"]),
+                    tuple(s.strip() for s in splits if s.strip()) if splits else None,
+                )
+            )
         return out
     out = []
     for part in (p.strip() for p in text.split(",")):
@@ -99,8 +108,13 @@ def parse_plan(plan: str) -> list[Source]:
         if not m:
             raise DatasetPlanError(f"cannot parse dataset source {part!r}; form: repo[:limit][@split+split]")
         splits = m.group("splits")
-        out.append(Source(m.group("name").strip(), _limit(m.group("limit"), part),
-                          tuple(s.strip() for s in splits.split("+") if s.strip()) if splits else None))
+        out.append(
+            Source(
+                m.group("name").strip(),
+                _limit(m.group("limit"), part),
+                tuple(s.strip() for s in splits.split("+") if s.strip()) if splits else None,
+            )
+        )
     return out
 
 
@@ -156,8 +170,9 @@ def _read_split(source: Source, split: str, explicit: bool) -> list[dict[str, An
         raise
 
 
-def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_SPLITS,
-              sample_limit: int = 0) -> LoadedRows:
+def load_rows(
+    plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_SPLITS, sample_limit: int = 0
+) -> LoadedRows:
     """Read every source's splits, apply per-source and global limits, report what happened."""
     sources = parse_plan(plan)
     rows: list[dict[str, Any]] = []
@@ -192,9 +207,12 @@ def load_rows(plan: str, default_splits: tuple[str, ...] | list[str] = DEFAULT_S
             taken += len(got)
             report.append(SplitReport(source.name, split, "ok", len(got)))
     if broken:
-        raise DatasetPlanError("the dataset plan has sources that cannot be read (training on the rest would "
-                               "silently use part of the data): " + "; ".join(broken)
-                               + ". Fix each source or remove it from the plan")
+        raise DatasetPlanError(
+            "the dataset plan has sources that cannot be read (training on the rest would "
+            "silently use part of the data): "
+            + "; ".join(broken)
+            + ". Fix each source or remove it from the plan"
+        )
     if sample_limit:
         rows = rows[:sample_limit]
     if not rows:

@@ -35,13 +35,15 @@ class TemplateError(ValueError):
 class Rendered:
     """One chat as training sees it: the served prompt, then the trained text."""
 
-    prompt_ids: list[int]      # exactly the ids evaluation sends
-    target_ids: list[int]      # the assistant turn as trained (content + end of turn)
+    prompt_ids: list[int]  # exactly the ids evaluation sends
+    target_ids: list[int]  # the assistant turn as trained (content + end of turn)
     prompt_text: str
     target_text: str
     reasoning: tuple[int, int]  # [start, end) characters of target_text that are reasoning; (0, 0) when none
-    how: str                   # "template" (rendered as written) or "served prompt + content"
-    target_offsets: list[tuple[int, int]] | None = None  # character span of each target token (fast tokenizers)
+    how: str  # "template" (rendered as written) or "served prompt + content"
+    target_offsets: list[tuple[int, int]] | None = (
+        None  # character span of each target token (fast tokenizers)
+    )
 
     @property
     def ids(self) -> list[int]:
@@ -52,9 +54,11 @@ def _template(tokenizer, messages: list[dict], **kwargs):
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as err:  # jinja errors, missing template, roles the template rejects
-        raise TemplateError(f"the tokenizer's chat template does not render these messages "
-                            f"({type(err).__name__}: {err}); set a chat template that accepts system, user and "
-                            "assistant turns (tokenizer.chat_template)") from err
+        raise TemplateError(
+            f"the tokenizer's chat template does not render these messages "
+            f"({type(err).__name__}: {err}); set a chat template that accepts system, user and "
+            "assistant turns (tokenizer.chat_template)"
+        ) from err
 
 
 def served_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
@@ -77,9 +81,9 @@ def _continuation(prompt_text: str, content: str) -> str:
     if not m:
         return content
     if content.startswith(THINK_OPEN):
-        rest = content[len(THINK_OPEN):]
+        rest = content[len(THINK_OPEN) :]
         ws = m.group(1)  # the prompt's whitespace after its opener already stands for the content's
-        return rest[len(ws):] if ws and rest.startswith(ws) else rest
+        return rest[len(ws) :] if ws and rest.startswith(ws) else rest
     return "\n" + THINK_CLOSE + "\n" + content
 
 
@@ -98,24 +102,38 @@ def render_chat(tokenizer, messages: list[dict]) -> Rendered:
     history, content = messages[:-1], str(messages[-1]["content"])
     prompt_text, prompt_ids = served_prompt(tokenizer, history)
     full = _template(tokenizer, messages, tokenize=False)
-    if full.startswith(prompt_text) and full[len(prompt_text):].startswith(content):
-        how, target_text = "template", full[len(prompt_text):]
+    if full.startswith(prompt_text) and full[len(prompt_text) :].startswith(content):
+        how, target_text = "template", full[len(prompt_text) :]
     else:
         if prompt_text == _template(tokenizer, history, tokenize=False, add_generation_prompt=False):
-            raise TemplateError("the chat template drops or rewrites the assistant content and has no generation "
-                                "prompt (add_generation_prompt adds nothing), so there is no served prompt to "
-                                "train after; use a template that renders the assistant turn as written")
+            raise TemplateError(
+                "the chat template drops or rewrites the assistant content and has no generation "
+                "prompt (add_generation_prompt adds nothing), so there is no served prompt to "
+                "train after; use a template that renders the assistant turn as written"
+            )
         if not tokenizer.eos_token:
-            raise TemplateError("the chat template drops or rewrites the assistant content and the tokenizer has "
-                                "no eos_token to end the turn with; set tokenizer.eos_token")
-        how, target_text = "served prompt + content", _continuation(prompt_text, content) + tokenizer.eos_token
+            raise TemplateError(
+                "the chat template drops or rewrites the assistant content and the tokenizer has "
+                "no eos_token to end the turn with; set tokenizer.eos_token"
+            )
+        how, target_text = (
+            "served prompt + content",
+            _continuation(prompt_text, content) + tokenizer.eos_token,
+        )
     try:
         enc = tokenizer(target_text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = [tuple(o) for o in enc["offset_mapping"]]
     except NotImplementedError:  # slow tokenizers have no offsets
         enc, offsets = tokenizer(target_text, add_special_tokens=False), None
-    return Rendered(prompt_ids, list(enc["input_ids"]), prompt_text, target_text,
-                    _reasoning_span(target_text, opens_reasoning(prompt_text)), how, offsets)
+    return Rendered(
+        prompt_ids,
+        list(enc["input_ids"]),
+        prompt_text,
+        target_text,
+        _reasoning_span(target_text, opens_reasoning(prompt_text)),
+        how,
+        offsets,
+    )
 
 
 def reasoning_mask(rendered: Rendered) -> list[bool]:

@@ -30,18 +30,31 @@ from .tiny import TINY_R1_NAME, cache_root, resolve_model
 
 REPO_ID = "dsr1kit-rehearsal/DeepSeek-R1-tiny"
 FORMAT_VERSION = 1
-R1_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                          "weight_block_size": [128, 128]}
+R1_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 INDEX_FILE = "model.safetensors.index.json"  # as dsr1kit.model.checkpoint_index reads it; kept import-light:
 # tests import this module to set the offline hub environment before anything imports huggingface_hub
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 
 def is_fp8_weight(key: str, tensor: torch.Tensor) -> bool:
     """R1 keeps embeddings, norms, the router gate and lm_head in bf16; every other linear weight is FP8."""
-    return (tensor.dim() == 2 and key.endswith(".weight") and not key.endswith("mlp.gate.weight")
-            and key not in ("model.embed_tokens.weight", "lm_head.weight"))
+    return (
+        tensor.dim() == 2
+        and key.endswith(".weight")
+        and not key.endswith("mlp.gate.weight")
+        and key not in ("model.embed_tokens.weight", "lm_head.weight")
+    )
 
 
 def to_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,7 +71,9 @@ def to_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def shard_name(key: str) -> str:
     """One shard per decoder layer, one for the rest: a real index with several files."""
     parts = key.split(".")
-    return f"layer-{int(parts[2]):03d}.safetensors" if key.startswith("model.layers.") else "other.safetensors"
+    return (
+        f"layer-{int(parts[2]):03d}.safetensors" if key.startswith("model.layers.") else "other.safetensors"
+    )
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, fp8: bool = False) -> Path:
@@ -138,8 +153,12 @@ def build(home: Path | None = None, repo_id: str = REPO_ID) -> Path:
 def offline_env(home: Path | None = None) -> dict[str, str]:
     """Environment under which the repo id resolves from the rehearsal cache, as on a cluster with R1 cached."""
     home = home or hf_home()
-    return {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1"}
+    return {
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
 
 
 if __name__ == "__main__":

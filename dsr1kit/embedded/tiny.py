@@ -43,9 +43,8 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..data import templates
 from ..data.chat import to_messages
@@ -103,8 +102,16 @@ MODEL_CONFIG = dict(
     tie_word_embeddings=False,
     rope_interleave=True,
     # DeepSeek-V3/R1's YaRN RoPE at toy length. Not optional: see the module docstring (vLLM-CPU parity).
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512,
-                         beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=512,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
 )
 
 
@@ -126,10 +133,25 @@ class Flavour:
 # tiny: the forgetting experiment's base (A and the S/E phrasings, ~3-4 CPU minutes); tiny-r1 tests R1's
 # formats only and keeps the short pre-training.
 FLAVOURS = {
-    TINY_NAME: Flavour(TINY_NAME, BOS, EOS, PAD, tuple(ROLE_TOKENS), CHAT_TEMPLATE,
-                       pretrain_steps=1000, pretrain_lr=1.5e-3, position_tasks=("A", "S", "E")),
-    TINY_R1_NAME: Flavour(TINY_R1_NAME, templates.R1_BOS, templates.R1_EOS, templates.R1_PAD,
-                          tuple(templates.R1_ROLE_TOKENS), templates.R1_CHAT_TEMPLATE),
+    TINY_NAME: Flavour(
+        TINY_NAME,
+        BOS,
+        EOS,
+        PAD,
+        tuple(ROLE_TOKENS),
+        CHAT_TEMPLATE,
+        pretrain_steps=1000,
+        pretrain_lr=1.5e-3,
+        position_tasks=("A", "S", "E"),
+    ),
+    TINY_R1_NAME: Flavour(
+        TINY_R1_NAME,
+        templates.R1_BOS,
+        templates.R1_EOS,
+        templates.R1_PAD,
+        tuple(templates.R1_ROLE_TOKENS),
+        templates.R1_CHAT_TEMPLATE,
+    ),
 }
 POSITION_ROWS = 1500  # pre-training rows per position task
 HELD_OUT = ("task_a_eval.jsonl", "task_b_eval.jsonl")  # their word lists never appear in pre-training
@@ -143,8 +165,10 @@ def cache_root() -> Path:
 
 
 def _fingerprint(flavour: Flavour = FLAVOURS[TINY_NAME]) -> str:
-    h = hashlib.sha256(f"v{VERSION}{json.dumps(MODEL_CONFIG, sort_keys=True)}"
-                       f"{json.dumps(flavour.__dict__, sort_keys=True)}{POSITION_ROWS}".encode())
+    h = hashlib.sha256(
+        f"v{VERSION}{json.dumps(MODEL_CONFIG, sort_keys=True)}"
+        f"{json.dumps(flavour.__dict__, sort_keys=True)}{POSITION_ROWS}".encode()
+    )
     for name in (*CORPUS_FILES, *HELD_OUT):
         h.update((DATA_DIR / name).read_bytes())
     return h.hexdigest()[:12]
@@ -183,7 +207,9 @@ def build_tokenizer(out_dir: str | Path, flavour: Flavour = FLAVOURS[TINY_NAME])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=flavour.bos, eos_token=flavour.eos, pad_token=flavour.pad,
+        bos_token=flavour.bos,
+        eos_token=flavour.eos,
+        pad_token=flavour.pad,
         additional_special_tokens=list(flavour.roles),
         model_max_length=MODEL_CONFIG["max_position_embeddings"],
         padding_side="right",
@@ -199,13 +225,22 @@ def pretrain_texts(flavour: Flavour = FLAVOURS[TINY_NAME]) -> tuple[list[list[di
     questions (lists of the held-out sets left out), plus retain text."""
     from ..data.synthetic import MAKERS, make_position_rows, make_retain, make_rows
 
-    free_form = {i for i, maker in enumerate(MAKERS) if maker.__name__ in ("_addition", "_subtraction", "_reverse")}
+    free_form = {
+        i for i, maker in enumerate(MAKERS) if maker.__name__ in ("_addition", "_subtraction", "_reverse")
+    }
     rows = [r for i, r in enumerate(make_rows(720, seed=4, prefix="pre")) if i % len(MAKERS) in free_form]
-    held_out = {_word_list(json.loads(line)["question"])
-                for name in HELD_OUT for line in (DATA_DIR / name).read_text().splitlines() if line.strip()}
+    held_out = {
+        _word_list(json.loads(line)["question"])
+        for name in HELD_OUT
+        for line in (DATA_DIR / name).read_text().splitlines()
+        if line.strip()
+    }
     for k, task in enumerate(flavour.position_tasks):
-        rows += [r for r in make_position_rows(task, POSITION_ROWS, seed=100 + k)
-                 if _word_list(r["question"]) not in held_out]
+        rows += [
+            r
+            for r in make_position_rows(task, POSITION_ROWS, seed=100 + k)
+            if _word_list(r["question"]) not in held_out
+        ]
     chats = [to_messages(r) for r in rows]
     return chats, [r["text"] for r in make_retain(120, seed=5)]
 
@@ -214,8 +249,9 @@ def _word_list(question: str) -> str:
     return question.split("\n", 1)[-1]
 
 
-def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
-             flavour: Flavour = FLAVOURS[TINY_NAME]) -> list[float]:
+def pretrain(
+    model, tokenizer, steps: int, seed: int = 0, batch: int = 16, flavour: Flavour = FLAVOURS[TINY_NAME]
+) -> list[float]:
     """Full-parameter LM training on pretrain_texts(flavour); deterministic for a given seed."""
     import torch
     from tqdm.auto import tqdm
@@ -231,15 +267,26 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
         seqs.append(rendered.ids)
         starts.append(len(rendered.prompt_ids))
     for t in texts:
-        seqs.append([tokenizer.bos_token_id] + tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id])
+        seqs.append(
+            [tokenizer.bos_token_id]
+            + tokenizer.encode(t, add_special_tokens=False)
+            + [tokenizer.eos_token_id]
+        )
         starts.append(0)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=flavour.pretrain_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=flavour.pretrain_lr, total_steps=steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=flavour.pretrain_lr, total_steps=steps, pct_start=0.1
+    )
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc=f"pre-training the {flavour.name} model (once, cached)", unit="step",
-               disable=steps < 500, mininterval=5)
+    bar = tqdm(
+        range(steps),
+        desc=f"pre-training the {flavour.name} model (once, cached)",
+        unit="step",
+        disable=steps < 500,
+        mininterval=5,
+    )
     for _ in bar:
         pick = torch.randint(len(seqs), (batch,), generator=gen).tolist()
         width = max(len(seqs[i]) for i in pick)
@@ -249,7 +296,7 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
         for row, i in enumerate(pick):
             ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
             mask[row, : len(seqs[i])] = 1
-            labels[row, starts[i]: len(seqs[i])] = torch.tensor(seqs[i][starts[i]:])
+            labels[row, starts[i] : len(seqs[i])] = torch.tensor(seqs[i][starts[i] :])
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -262,8 +309,13 @@ def pretrain(model, tokenizer, steps: int, seed: int = 0, batch: int = 16,
     return losses
 
 
-def build_model(out_dir: str | Path, tokenizer, seed: int = 0, flavour: Flavour = FLAVOURS[TINY_NAME],
-                pretrain_steps: int | None = None):
+def build_model(
+    out_dir: str | Path,
+    tokenizer,
+    seed: int = 0,
+    flavour: Flavour = FLAVOURS[TINY_NAME],
+    pretrain_steps: int | None = None,
+):
     """A seeded DeepSeek-V3-architecture model, briefly pre-trained, saved in out_dir (bf16)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -292,8 +344,12 @@ def build_model(out_dir: str | Path, tokenizer, seed: int = 0, flavour: Flavour 
     return model, losses
 
 
-def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int | None = None,
-          flavour: Flavour = FLAVOURS[TINY_NAME]) -> Path:
+def build(
+    out_dir: str | Path,
+    seed: int = 0,
+    pretrain_steps: int | None = None,
+    flavour: Flavour = FLAVOURS[TINY_NAME],
+) -> Path:
     """Build model + tokenizer into out_dir (atomically: temp dir, then rename)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,9 +359,18 @@ def build(out_dir: str | Path, seed: int = 0, pretrain_steps: int | None = None,
         if len(tokenizer) > VOCAB_SIZE:
             raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > vocab {VOCAB_SIZE}")
         _, losses = build_model(tmp, tokenizer, seed=seed, flavour=flavour, pretrain_steps=pretrain_steps)
-        (tmp / "TINY_MODEL.json").write_text(json.dumps({
-            "version": VERSION, "flavour": flavour.name, "seed": seed, "pretrain_steps": len(losses),
-            "pretrain_loss_first": round(losses[0], 4), "pretrain_loss_last": round(losses[-1], 4)}))
+        (tmp / "TINY_MODEL.json").write_text(
+            json.dumps(
+                {
+                    "version": VERSION,
+                    "flavour": flavour.name,
+                    "seed": seed,
+                    "pretrain_steps": len(losses),
+                    "pretrain_loss_first": round(losses[0], 4),
+                    "pretrain_loss_last": round(losses[-1], 4),
+                }
+            )
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

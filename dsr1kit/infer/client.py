@@ -33,6 +33,18 @@ class RequestRefused(ClientError):
     """The server refused a request (HTTP 4xx): not an answer, so nothing is stored and a rerun asks again."""
 
 
+@dataclass(frozen=True)
+class ClientConfig:
+    """How an evaluation asks the server: built from notebook 10's parameters by
+    ``steps.vllm_inference.client_config``."""
+
+    concurrency: int  # requests in flight
+    timeout_s: float  # per request
+    retries: int  # per request, on connection errors, timeouts and 5xx (with backoff)
+    max_tokens: int  # generated tokens per answer
+    temperature: float  # 0: greedy
+
+
 @dataclass
 class Request:
     id: str
@@ -41,8 +53,8 @@ class Request:
 
 @dataclass
 class Stats:
-    requested: list[str] = field(default_factory=list)   # ids sent in this call
-    skipped: int = 0                                      # ids already answered in the file
+    requested: list[str] = field(default_factory=list)  # ids sent in this call
+    skipped: int = 0  # ids already answered in the file
     answered: int = 0
     failed: int = 0
     wall_s: float = 0.0
@@ -61,11 +73,17 @@ class Stats:
         return {f"p{q:g}": lat[min(len(lat) - 1, int(round(q / 100 * (len(lat) - 1))))] for q in qs}
 
     def summary(self) -> dict[str, Any]:
-        return {"answered": self.answered, "skipped": self.skipped, "failed": self.failed,
-                "wall_s": round(self.wall_s, 3), "completion_tokens": self.completion_tokens,
-                "prompt_tokens": self.prompt_tokens, "tokens_per_s": round(self.tokens_per_s, 2),
-                "requests_per_s": round(self.answered / self.wall_s, 3) if self.wall_s else 0.0,
-                **{f"latency_{k}_s": round(v, 4) for k, v in self.percentiles().items()}}
+        return {
+            "answered": self.answered,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "wall_s": round(self.wall_s, 3),
+            "completion_tokens": self.completion_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "requests_per_s": round(self.answered / self.wall_s, 3) if self.wall_s else 0.0,
+            **{f"latency_{k}_s": round(v, 4) for k, v in self.percentiles().items()},
+        }
 
 
 def read_answers(path: str | Path) -> dict[str, dict]:
@@ -88,8 +106,17 @@ def read_answers(path: str | Path) -> dict[str, dict]:
 class CompletionClient:
     """Talks to one served model name on an OpenAI-compatible server."""
 
-    def __init__(self, base_url: str, model: str, *, concurrency: int = 16, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.concurrency = concurrency
@@ -105,24 +132,37 @@ class CompletionClient:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         for attempt in range(self.retries + 1):
             try:
-                async with http.post(f"{self.base_url}/v1/completions", json=payload, timeout=timeout) as resp:
+                async with http.post(
+                    f"{self.base_url}/v1/completions", json=payload, timeout=timeout
+                ) as resp:
                     text = await resp.text()
                 if resp.status in RETRY_STATUS:
                     last = ClientError(f"HTTP {resp.status}: {text[:200]}")
-                elif resp.status >= 400:  # a refused request does not get better by retrying, nor is it an answer
-                    raise RequestRefused(f"the server refused a request for model '{self.model}' with HTTP "
-                                         f"{resp.status}: {text[:300]}")
+                elif (
+                    resp.status >= 400
+                ):  # a refused request does not get better by retrying, nor is it an answer
+                    raise RequestRefused(
+                        f"the server refused a request for model '{self.model}' with HTTP "
+                        f"{resp.status}: {text[:300]}"
+                    )
                 else:
                     return json.loads(text)
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # connection refused/reset, timeout
                 last = err
             if attempt < self.retries:
-                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2**attempt))
         raise ClientError(f"request failed after {self.retries + 1} attempts: {type(last).__name__}: {last}")
 
-    async def acomplete(self, requests: list[Request], out_path: str | Path, *, max_tokens: int,
-                        temperature: float = 0.0, extra: dict | None = None,
-                        on_result: Callable[[dict], None] | None = None) -> Stats:
+    async def acomplete(
+        self,
+        requests: list[Request],
+        out_path: str | Path,
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        extra: dict | None = None,
+        on_result: Callable[[dict], None] | None = None,
+    ) -> Stats:
         import aiohttp
 
         out_path = Path(out_path)
@@ -136,8 +176,13 @@ class CompletionClient:
         connector = aiohttp.TCPConnector(limit=self.concurrency)
 
         async def one(http, req: Request, sink) -> None:
-            payload = {"model": self.model, "prompt": req.prompt, "max_tokens": max_tokens,
-                       "temperature": temperature, **(extra or {})}
+            payload = {
+                "model": self.model,
+                "prompt": req.prompt,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                **(extra or {}),
+            }
             async with sem:
                 t0 = time.perf_counter()
                 body = await self._post(http, payload)
@@ -148,9 +193,12 @@ class CompletionClient:
                 stats.failed += 1
             else:
                 usage = body.get("usage") or {}
-                row.update(text=body["choices"][0]["text"], finish_reason=body["choices"][0].get("finish_reason"),
-                           prompt_tokens=usage.get("prompt_tokens", 0),
-                           completion_tokens=usage.get("completion_tokens", 0))
+                row.update(
+                    text=body["choices"][0]["text"],
+                    finish_reason=body["choices"][0].get("finish_reason"),
+                    prompt_tokens=usage.get("prompt_tokens", 0),
+                    completion_tokens=usage.get("completion_tokens", 0),
+                )
                 stats.answered += 1
             stats.prompt_tokens += row["prompt_tokens"]
             stats.completion_tokens += row["completion_tokens"]
@@ -172,10 +220,15 @@ class CompletionClient:
                     await asyncio.gather(*tasks, return_exceptions=True)
                     stats.wall_s = time.perf_counter() - t0
                     kept = len(read_answers(out_path))
-                    fix = ("fix what the server refused" if isinstance(err, RequestRefused)
-                           else "restart the server")
-                    raise type(err)(f"{err}; {kept} of {len(requests)} answers kept in {out_path}; {fix} and "
-                                    f"rerun to ask only the other {len(requests) - kept}") from err
+                    fix = (
+                        "fix what the server refused"
+                        if isinstance(err, RequestRefused)
+                        else "restart the server"
+                    )
+                    raise type(err)(
+                        f"{err}; {kept} of {len(requests)} answers kept in {out_path}; {fix} and "
+                        f"rerun to ask only the other {len(requests) - kept}"
+                    ) from err
         stats.wall_s = time.perf_counter() - t0
         return stats
 
@@ -191,4 +244,3 @@ def run_sync(coro):
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a kernel's loop is running: use another thread
         return pool.submit(asyncio.run, coro).result()
-

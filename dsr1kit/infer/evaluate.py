@@ -22,7 +22,7 @@ from ..data.chat import options_of, to_messages
 from ..data.render import opens_reasoning, served_prompt
 from ..run.paths import resolve
 from .answers import UNPARSEABLE, normalize, parse_answer
-from .client import Request
+from .client import ClientConfig, CompletionClient, Request, read_answers
 
 Z95 = 1.959964
 
@@ -33,9 +33,11 @@ class Prompt:
     token_ids: list[int]
     gold: str
     category: str
-    n_options: int = 0          # > 0: multiple choice, gold is a letter
+    n_options: int = 0  # > 0: multiple choice, gold is a letter
     options: list[str] = field(default_factory=list)
-    reasoning_open: bool = False  # the served prompt opened <think>: a completion without </think> is truncated
+    reasoning_open: bool = (
+        False  # the served prompt opened <think>: a completion without </think> is truncated
+    )
 
     def request(self) -> Request:
         return Request(self.id, self.token_ids)
@@ -44,16 +46,18 @@ class Prompt:
 @dataclass
 class ContextFilter:
     kept: list[Prompt]
-    excluded: list[dict[str, Any]]   # {id, prompt_tokens}
-    budget: int                      # max prompt tokens allowed
+    excluded: list[dict[str, Any]]  # {id, prompt_tokens}
+    budget: int  # max prompt tokens allowed
 
     @property
     def total(self) -> int:
         return len(self.kept) + len(self.excluded)
 
     def describe(self) -> str:
-        return (f"scored on {len(self.kept)} of {self.total}: {len(self.excluded)} excluded because prompt + "
-                f"max_new_tokens exceeds max_model_len (prompt budget {self.budget} tokens)")
+        return (
+            f"scored on {len(self.kept)} of {self.total}: {len(self.excluded)} excluded because prompt + "
+            f"max_new_tokens exceeds max_model_len (prompt budget {self.budget} tokens)"
+        )
 
 
 def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
@@ -65,13 +69,17 @@ def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
     """
     names = [part.strip() for part in dataset.split(",") if part.strip()]
     if not names:
-        raise ValueError("eval_dataset is empty: give a JSONL file or hub dataset, or several comma-separated")
+        raise ValueError(
+            "eval_dataset is empty: give a JSONL file or hub dataset, or several comma-separated"
+        )
     rows, origin = [], {}
     for name in names:
         for row in _load_one(name, limit):
             if row["id"] in origin:
-                raise ValueError(f"eval_dataset: id {row['id']!r} is in both {origin[row['id']]} and {name}; "
-                                 "ids must be unique across the sets (answers are saved by id)")
+                raise ValueError(
+                    f"eval_dataset: id {row['id']!r} is in both {origin[row['id']]} and {name}; "
+                    "ids must be unique across the sets (answers are saved by id)"
+                )
             origin[row["id"]] = name
             rows.append(row)
     return rows
@@ -101,8 +109,17 @@ def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> 
             continue
         opts = options_of(row)
         text, ids = served_prompt(tokenizer, messages)
-        prompts.append(Prompt(row["id"], ids, str(row["answer"]).strip(), str(row.get("category", "all")),
-                              len(opts), opts, opens_reasoning(text)))
+        prompts.append(
+            Prompt(
+                row["id"],
+                ids,
+                str(row["answer"]).strip(),
+                str(row.get("category", "all")),
+                len(opts),
+                opts,
+                opens_reasoning(text),
+            )
+        )
     return prompts
 
 
@@ -115,6 +132,7 @@ def filter_by_context(prompts: list[Prompt], max_model_len: int, max_new_tokens:
 
 # -- answers
 
+
 def is_correct(prompt: Prompt, text: str) -> tuple[bool, str, str]:
     """(correct, extracted prediction, rule that read it) for one generation."""
     parsed = parse_answer(text, prompt.n_options, prompt.options, prompt.reasoning_open)
@@ -126,6 +144,7 @@ def is_correct(prompt: Prompt, text: str) -> tuple[bool, str, str]:
 
 
 # -- scores
+
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval for k successes out of n (95% by default)."""
@@ -149,10 +168,21 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
     for p in prompts:
         ans = answers.get(p.id) or {}
         ok, pred, rule = is_correct(p, ans.get("text", "")) if ans else (False, "", "no answer")
-        rows.append({"id": p.id, "category": p.category, "gold": p.gold, "prediction": pred, "correct": ok,
-                     "rule": rule, "answered": bool(ans) and not ans.get("error"), "text": ans.get("text", "")})
-    per_example = pd.DataFrame(rows, columns=["id", "category", "gold", "prediction", "correct", "rule", "answered",
-                                              "text"])
+        rows.append(
+            {
+                "id": p.id,
+                "category": p.category,
+                "gold": p.gold,
+                "prediction": pred,
+                "correct": ok,
+                "rule": rule,
+                "answered": bool(ans) and not ans.get("error"),
+                "text": ans.get("text", ""),
+            }
+        )
+    per_example = pd.DataFrame(
+        rows, columns=["id", "category", "gold", "prediction", "correct", "rule", "answered", "text"]
+    )
     totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
     table = []
     groups = [("all", per_example)] + sorted(per_example.groupby("category"), key=lambda g: g[0])
@@ -160,8 +190,18 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
         n, k = len(df), int(df["correct"].sum())
         big_n = sum(totals.values()) if name == "all" else totals.get(name, n)
         lo, hi = wilson(k, n)
-        table.append({"category": name, "accuracy": k / n if n else float("nan"), "ci95_low": lo, "ci95_high": hi,
-                      "correct": k, "n": n, "N": big_n, "scored_on": f"{n} of {big_n}"})
+        table.append(
+            {
+                "category": name,
+                "accuracy": k / n if n else float("nan"),
+                "ci95_low": lo,
+                "ci95_high": hi,
+                "correct": k,
+                "n": n,
+                "N": big_n,
+                "scored_on": f"{n} of {big_n}",
+            }
+        )
     return per_example, pd.DataFrame(table)
 
 
@@ -186,17 +226,33 @@ def results_path(run_dir: str | Path, label: str) -> Path:
     return Path(run_dir) / "answers" / f"{label}.jsonl"
 
 
-def run_eval(base_url: str, model_name: str, prompts: list[Prompt], out_path: str | Path, p,
-             progress: bool = True):
+def run_eval(
+    base_url: str,
+    model_name: str,
+    prompts: list[Prompt],
+    out_path: str | Path,
+    client: ClientConfig,
+    progress: bool = True,
+):
     """Ask the server for every prompt not yet answered in out_path (tqdm progress); return the client Stats."""
     from tqdm import tqdm
 
-    from .client import CompletionClient, read_answers
-
     ids = {pr.id for pr in prompts}
     already = len(ids & set(read_answers(out_path)))
-    client = CompletionClient(base_url, model_name, concurrency=p.client_concurrency, timeout_s=p.request_timeout_s,
-                              retries=p.retries)
-    with tqdm(total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress) as bar:
-        return client.complete([pr.request() for pr in prompts], out_path, max_tokens=p.max_new_tokens,
-                               temperature=p.temperature, on_result=lambda _row: bar.update(1))
+    http = CompletionClient(
+        base_url,
+        model_name,
+        concurrency=client.concurrency,
+        timeout_s=client.timeout_s,
+        retries=client.retries,
+    )
+    with tqdm(
+        total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress
+    ) as bar:
+        return http.complete(
+            [pr.request() for pr in prompts],
+            out_path,
+            max_tokens=client.max_tokens,
+            temperature=client.temperature,
+            on_result=lambda _row: bar.update(1),
+        )

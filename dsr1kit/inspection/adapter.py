@@ -79,8 +79,10 @@ def read_adapter(path: str | Path) -> Adapter:
     if not path.is_dir():
         raise AdapterError(f"{path} is not a folder; give the adapter folder (it holds adapter_config.json)")
     if not cfg_file.is_file():
-        raise AdapterError(f"{path} is not a PEFT adapter: adapter_config.json is missing "
-                           f"(an adapter folder holds adapter_config.json and adapter_model.safetensors)")
+        raise AdapterError(
+            f"{path} is not a PEFT adapter: adapter_config.json is missing "
+            f"(an adapter folder holds adapter_config.json and adapter_model.safetensors)"
+        )
     if not weights.is_file():
         raise AdapterError(f"{path}: adapter_model.safetensors is missing")
     config = json.loads(cfg_file.read_text())
@@ -89,7 +91,9 @@ def read_adapter(path: str | Path) -> Adapter:
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError) as err:
-        raise AdapterError(f"{weights} is truncated or corrupt ({err}); copy it again from the run folder") from err
+        raise AdapterError(
+            f"{weights} is truncated or corrupt ({err}); copy it again from the run folder"
+        ) from err
     lora_a, lora_b = {}, {}
     for key, value in tensors.items():
         name = key.removeprefix(PREFIX)
@@ -103,9 +107,12 @@ def read_adapter(path: str | Path) -> Adapter:
 
 def latest_adapter(runs_root: str | Path) -> Path | None:
     """The newest adapter written by a HARI run (``<run>/adapter`` beside its run_info.json)."""
-    found = [c.parent for c in Path(runs_root).glob("*/adapter/adapter_config.json")
-             if (c.parent.parent / "run_info.json").is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    found = [
+        c.parent
+        for c in Path(runs_root).glob("*/adapter/adapter_config.json")
+        if (c.parent.parent / "run_info.json").is_file()
+    ]
+    return max(found, key=lambda path: path.stat().st_mtime) if found else None
 
 
 def base_weight(model, module: str) -> torch.Tensor:
@@ -114,7 +121,9 @@ def base_weight(model, module: str) -> torch.Tensor:
     try:
         layer = base.get_submodule(module)
     except AttributeError:
-        raise AdapterError(f"the base model has no module {module}: the adapter was made for another model") from None
+        raise AdapterError(
+            f"the base model has no module {module}: the adapter was made for another model"
+        ) from None
     layer = getattr(layer, "base_layer", layer)  # inside a PeftModel
     weight = layer.weight
     if getattr(weight, "quant_state", None) is not None:
@@ -128,8 +137,10 @@ def module_stats(adapter: Adapter, module: str, base: torch.Tensor | None = None
     a, b = adapter.lora_a[module], adapter.lora_b[module]
     delta = adapter.delta(module)
     if base is not None and tuple(base.shape) != tuple(delta.shape):
-        raise AdapterError(f"{module}: the adapter changes a [{delta.shape[0]}, {delta.shape[1]}] weight but the "
-                           f"base model's is [{base.shape[0]}, {base.shape[1]}]: the adapter was made for another base model")
+        raise AdapterError(
+            f"{module}: the adapter changes a [{delta.shape[0]}, {delta.shape[1]}] weight but the "
+            f"base model's is [{base.shape[0]}, {base.shape[1]}]: the adapter was made for another base model"
+        )
     s = torch.linalg.svdvals(delta)
     total = float(s.sum())
     if total > 0:
@@ -142,17 +153,28 @@ def module_stats(adapter: Adapter, module: str, base: torch.Tensor | None = None
     norm_delta = float(delta.norm())
     norm_base = float(base.norm()) if base is not None else None
     return ModuleStats(
-        module=module, shape=f"[{delta.shape[0]}, {delta.shape[1]}]", rank=a.shape[0],
-        alpha=float(adapter.config.get("lora_alpha", a.shape[0])), scale=adapter.scale(module),
-        norm_a=float(a.float().norm()), norm_b=float(b.float().norm()), norm_delta=norm_delta,
-        norm_base=norm_base, ratio=norm_delta / norm_base if norm_base else None,
-        effective_rank=effective, numeric_rank=numeric, zero_share_b=float((b == 0).float().mean()),
+        module=module,
+        shape=f"[{delta.shape[0]}, {delta.shape[1]}]",
+        rank=a.shape[0],
+        alpha=float(adapter.config.get("lora_alpha", a.shape[0])),
+        scale=adapter.scale(module),
+        norm_a=float(a.float().norm()),
+        norm_b=float(b.float().norm()),
+        norm_delta=norm_delta,
+        norm_base=norm_base,
+        ratio=norm_delta / norm_base if norm_base else None,
+        effective_rank=effective,
+        numeric_rank=numeric,
+        zero_share_b=float((b == 0).float().mean()),
     )
 
 
 def inspect_adapter(adapter: Adapter, model=None) -> list[ModuleStats]:
     """Stats for every adapted module; with ``model`` also the ratio to the base weight."""
-    return [module_stats(adapter, m, base_weight(model, m) if model is not None else None) for m in adapter.modules]
+    return [
+        module_stats(adapter, m, base_weight(model, m) if model is not None else None)
+        for m in adapter.modules
+    ]
 
 
 def stats_frame(stats: list[ModuleStats]):

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks
 from ..model.checkpoint_index import INDEX_FILE, CheckpointError, read_index, read_weight_map
+from ..model.fp8 import SCALE_SUFFIX, dequantize_fp8_blocks
 from .adapter import Adapter, AdapterError
 
 FUSED_PARTNERS = {"q_a_proj": "kv_a_proj_with_mqa", "kv_a_proj_with_mqa": "q_a_proj"}
@@ -59,8 +59,10 @@ def _to_bf16(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor | N
 def _merged(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor) -> None:
     weight = tensors[key]
     if tuple(weight.shape) != tuple(delta.shape):
-        raise AdapterError(f"{key}: base weight is {list(weight.shape)} but the adapter's change is "
-                           f"{list(delta.shape)}: the adapter was made for another base model")
+        raise AdapterError(
+            f"{key}: base weight is {list(weight.shape)} but the adapter's change is "
+            f"{list(delta.shape)}: the adapter was made for another base model"
+        )
     if key + SCALE_SUFFIX in tensors:  # FP8 with block scales, as DeepSeek-R1 ships: keep the merge in bf16
         _to_bf16(tensors, key, delta)
     else:
@@ -75,8 +77,9 @@ def _partner(module: str) -> str | None:
 def _not_converted_config(config: dict, modules: list[str]) -> dict:
     """config.json with `modules` listed as unquantized for transformers and vLLM alike."""
     quant = dict(config["quantization_config"])
-    listed = sorted(set(quant.get("modules_to_not_convert") or []) | set(quant.get("ignored_layers") or [])
-                    | set(modules))
+    listed = sorted(
+        set(quant.get("modules_to_not_convert") or []) | set(quant.get("ignored_layers") or []) | set(modules)
+    )
     quant["modules_to_not_convert"] = quant["ignored_layers"] = listed
     return dict(config, quantization_config=quant)
 
@@ -94,16 +97,26 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
     for module in adapter.modules:
         key = f"{module}.weight"
         if key not in weight_map:
-            raise AdapterError(f"the base checkpoint has no {key}: the adapter was made for another base model")
+            raise AdapterError(
+                f"the base checkpoint has no {key}: the adapter was made for another base model"
+            )
         by_shard[weight_map[key]].append(module)
-    partners = {m for m in map(_partner, adapter.modules) if m and m not in adapter.modules
-                and f"{m}.weight{SCALE_SUFFIX}" in weight_map}
+    partners = {
+        m
+        for m in map(_partner, adapter.modules)
+        if m and m not in adapter.modules and f"{m}.weight{SCALE_SUFFIX}" in weight_map
+    }
     for module in partners:
         by_shard[weight_map[f"{module}.weight"]].append(module)
     rewritten = {INDEX_FILE, "config.json"} if fp8 else set()
     out.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
-        if item.is_file() and item.name not in by_shard and item.name not in rewritten and not (out / item.name).exists():
+        if (
+            item.is_file()
+            and item.name not in by_shard
+            and item.name not in rewritten
+            and not (out / item.name).exists()
+        ):
             _link_or_copy(item, out / item.name)
     kept_bf16: list[str] = []
     for shard, modules in by_shard.items():
@@ -126,9 +139,17 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         config = json.loads((base / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(_not_converted_config(config, kept_bf16), indent=2))
-    (out / "MERGED_FROM.json").write_text(json.dumps(
-        {"base": str(base_dir), "adapter": str(adapter.path), "modules": adapter.modules,
-         "kept_bf16": sorted(kept_bf16)}, indent=2))
+    (out / "MERGED_FROM.json").write_text(
+        json.dumps(
+            {
+                "base": str(base_dir),
+                "adapter": str(adapter.path),
+                "modules": adapter.modules,
+                "kept_bf16": sorted(kept_bf16),
+            },
+            indent=2,
+        )
+    )
     return out
 
 
@@ -137,8 +158,11 @@ def verify_merge(adapted_model, merged_model, input_ids: torch.Tensor) -> dict[s
     """Logits of base+adapter vs the merged checkpoint on the same tokens."""
     a = adapted_model(input_ids=input_ids).logits.float()
     b = merged_model(input_ids=input_ids.to(merged_model.device)).logits.float().to(a.device)
-    return {"max_abs_diff": float((a - b).abs().max()), "logit_std": float(a.std()),
-            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+    return {
+        "max_abs_diff": float((a - b).abs().max()),
+        "logit_std": float(a.std()),
+        "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    }
 
 
 def _read_weight(folder: Path, weight_map: dict[str, str], key: str) -> torch.Tensor:
@@ -149,7 +173,9 @@ def _read_weight(folder: Path, weight_map: dict[str, str], key: str) -> torch.Te
         weight = f.get_tensor(key)
         if key + SCALE_SUFFIX in weight_map:
             with safe_open(folder / weight_map[key + SCALE_SUFFIX], "pt") as g:
-                return dequantize_fp8_blocks(weight, g.get_tensor(key + SCALE_SUFFIX), dtype=torch.float32, name=key)
+                return dequantize_fp8_blocks(
+                    weight, g.get_tensor(key + SCALE_SUFFIX), dtype=torch.float32, name=key
+                )
     return weight.float()
 
 
@@ -167,9 +193,16 @@ def verify_merged_weights(base_dir: str | Path, merged_dir: str | Path, adapter:
     errs, moved = [], []
     for module in adapter.modules:
         key = f"{module}.weight"
-        w, m, delta = _read_weight(base, base_map, key), _read_weight(merged, merged_map, key), adapter.delta(module)
+        w, m, delta = (
+            _read_weight(base, base_map, key),
+            _read_weight(merged, merged_map, key),
+            adapter.delta(module),
+        )
         scale = float(delta.norm()) or 1.0
         errs.append(float((m - (w + delta)).norm()) / scale)
         moved.append(float((m - w).norm()) / scale)
-    return {"modules": len(adapter.modules), "rel_err_max": max(errs, default=0.0),
-            "moved_min": min(moved, default=0.0)}
+    return {
+        "modules": len(adapter.modules),
+        "rel_err_max": max(errs, default=0.0),
+        "moved_min": min(moved, default=0.0),
+    }

@@ -34,19 +34,24 @@ def read_index(path: str | Path) -> dict[str, Any]:
         with safe_open(path / SINGLE_FILE, framework="pt") as f:
             index = {"weight_map": {key: SINGLE_FILE for key in f.keys()}}
     else:
-        raise CheckpointError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}: point the loader at the "
-                              "directory that holds the model's safetensors shards and their index.")
+        raise CheckpointError(
+            f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}: point the loader at the "
+            "directory that holds the model's safetensors shards and their index."
+        )
     by_shard: dict[str, list[str]] = defaultdict(list)
     for key, shard in index["weight_map"].items():
         by_shard[shard].append(key)
     missing = sorted(shard for shard in by_shard if not (path / shard).is_file())
     if missing:
-        listing = "\n".join(f"  {s} ({len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing[:10])
+        listing = "\n".join(
+            f"  {s} ({len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing[:10]
+        )
         more = f"\n  … and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise CheckpointError(
             f"{len(missing)} shard(s) named in {INDEX_FILE} are missing from {path}:\n{listing}{more}\n"
             f"Download them again (e.g. `huggingface-cli download REPO {missing[0]} --local-dir {path}`) "
-            "or fix the checkpoint path.")
+            "or fix the checkpoint path."
+        )
     return index
 
 

@@ -32,15 +32,16 @@ from bitsandbytes import functional as bnbf
 from torch import nn
 from torch.nn import functional as F
 
-BLOCKSIZE = 64            # NF4 block, same as BitsAndBytesConfig's default for the linears
-NESTED_BLOCKSIZE = 256    # double-quantization block bitsandbytes uses for the absmax
-CHUNK_EXPERTS = 64        # experts dequantized per call (measured: as fast as all at once, ~1/4 the peak)
+BLOCKSIZE = 64  # NF4 block, same as BitsAndBytesConfig's default for the linears
+NESTED_BLOCKSIZE = 256  # double-quantization block bitsandbytes uses for the absmax
+CHUNK_EXPERTS = 64  # experts dequantized per call (measured: as fast as all at once, ~1/4 the peak)
 MAX_DEQUANT_ELEMENTS = 2**31 - 1
 IMPLEMENTATIONS = ("eager", "grouped_mm")
 
 try:  # the dispatcher the bf16 module uses, so both pick the same kernel (CPU alignment fallback)
     from transformers.integrations.moe import _grouped_mm
 except ImportError:  # pragma: no cover - older/newer transformers
+
     def _grouped_mm(input, weight, offs):
         return F.grouped_mm(input.to(weight.dtype), weight, offs=offs)
 
@@ -53,25 +54,34 @@ def experts_implementation(config) -> str:
 
 @dataclass
 class _Chunk:
-    experts: list[int]   # active experts, ascending
-    counts: list[int]    # routed rows per expert
-    start: int           # first row of the chunk in the expert-sorted order
+    experts: list[int]  # active experts, ascending
+    counts: list[int]  # routed rows per expert
+    start: int  # first row of the chunk in the expert-sorted order
     stop: int
 
 
 @dataclass
 class _Routing:
     tokens: torch.Tensor  # [S] token of each expert-sorted row
-    slots: torch.Tensor   # [S] its index into top_k_weights.reshape(-1)
+    slots: torch.Tensor  # [S] its index into top_k_weights.reshape(-1)
     chunks: list[_Chunk]
 
 
 class NF4Experts(nn.Module):
     """Drop-in for ``DeepseekV3Experts`` with NF4 weights; call signature unchanged."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn, *,
-                 implementation: str = "grouped_mm", dtype: torch.dtype = torch.bfloat16,
-                 chunk_experts: int = CHUNK_EXPERTS, device=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        act_fn,
+        *,
+        implementation: str = "grouped_mm",
+        dtype: torch.dtype = torch.bfloat16,
+        chunk_experts: int = CHUNK_EXPERTS,
+        device=None,
+    ):
         super().__init__()
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -81,29 +91,53 @@ class NF4Experts(nn.Module):
         for which, shape in self.shapes.items():
             n = prod(shape)
             if n % BLOCKSIZE:
-                raise ValueError(f"{which}: {shape} has {n} elements, not a multiple of the NF4 block {BLOCKSIZE}")
+                raise ValueError(
+                    f"{which}: {shape} has {n} elements, not a multiple of the NF4 block {BLOCKSIZE}"
+                )
             blocks = n // BLOCKSIZE
             nested = -(-blocks // NESTED_BLOCKSIZE)
-            self.register_buffer(f"{which}_nf4", torch.zeros(num_experts, n // 2, dtype=torch.uint8, device=device),
-                                 persistent=False)
-            self.register_buffer(f"{which}_absmax", torch.zeros(num_experts, blocks, dtype=torch.uint8,
-                                                                device=device), persistent=False)
-            self.register_buffer(f"{which}_absmax2", torch.zeros(num_experts, nested, dtype=torch.float32,
-                                                                 device=device), persistent=False)
-            self.register_buffer(f"{which}_offset", torch.zeros(num_experts, dtype=torch.float32, device=device),
-                                 persistent=False)
-        self.register_buffer("nested_code", torch.zeros(256, dtype=torch.float32, device=device), persistent=False)
+            self.register_buffer(
+                f"{which}_nf4",
+                torch.zeros(num_experts, n // 2, dtype=torch.uint8, device=device),
+                persistent=False,
+            )
+            self.register_buffer(
+                f"{which}_absmax",
+                torch.zeros(num_experts, blocks, dtype=torch.uint8, device=device),
+                persistent=False,
+            )
+            self.register_buffer(
+                f"{which}_absmax2",
+                torch.zeros(num_experts, nested, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+            self.register_buffer(
+                f"{which}_offset",
+                torch.zeros(num_experts, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+        self.register_buffer(
+            "nested_code", torch.zeros(256, dtype=torch.float32, device=device), persistent=False
+        )
         largest = max(prod(s) for s in self.shapes.values())
         self.chunk_experts = max(1, min(chunk_experts, MAX_DEQUANT_ELEMENTS // largest))
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, *, implementation: str = "grouped_mm",
-                     chunk_experts: int = CHUNK_EXPERTS) -> "NF4Experts":
+    def from_experts(
+        cls, experts: nn.Module, *, implementation: str = "grouped_mm", chunk_experts: int = CHUNK_EXPERTS
+    ) -> "NF4Experts":
         """Quantize a bf16 ``DeepseekV3Experts`` (fused 3-D params) expert by expert, on its device."""
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        module = cls(gate_up.shape[0], gate_up.shape[2], down.shape[2], experts.act_fn,
-                     implementation=implementation, dtype=gate_up.dtype, chunk_experts=chunk_experts,
-                     device=gate_up.device)
+        module = cls(
+            gate_up.shape[0],
+            gate_up.shape[2],
+            down.shape[2],
+            experts.act_fn,
+            implementation=implementation,
+            dtype=gate_up.dtype,
+            chunk_experts=chunk_experts,
+            device=gate_up.device,
+        )
         for e in range(gate_up.shape[0]):
             module.set_expert(e, gate_up[e].detach(), down[e].detach())
         return module
@@ -112,10 +146,15 @@ class NF4Experts(nn.Module):
         """Quantize one expert (`gate_up` = cat(gate, up) [2I, H], `down` [H, I]) into its slot."""
         for which, w in (("gate_up", gate_up), ("down", down)):
             if tuple(w.shape) != self.shapes[which]:
-                raise ValueError(f"expert {expert} {which} has shape {tuple(w.shape)}, expected {self.shapes[which]}")
+                raise ValueError(
+                    f"expert {expert} {which} has shape {tuple(w.shape)}, expected {self.shapes[which]}"
+                )
             packed, state = bnbf.quantize_4bit(
                 w.to(device=self.nested_code.device, dtype=self.dtype).contiguous(),
-                blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+                blocksize=BLOCKSIZE,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
             getattr(self, f"{which}_nf4")[expert] = packed.view(-1)
             getattr(self, f"{which}_absmax")[expert] = state.absmax
             getattr(self, f"{which}_absmax2")[expert] = state.state2.absmax
@@ -126,29 +165,47 @@ class NF4Experts(nn.Module):
         """Rows of a stacked buffer: a view for a contiguous run of experts, else a gather."""
         buf = getattr(self, name)
         if isinstance(experts, list) and experts == list(range(experts[0], experts[0] + len(experts))):
-            return buf[experts[0]:experts[0] + len(experts)]
+            return buf[experts[0] : experts[0] + len(experts)]
         index = torch.as_tensor(experts, device=buf.device)
         return buf.index_select(0, index)
 
     def dequantize(self, which: str, experts: list[int] | torch.Tensor) -> torch.Tensor:
         """bf16 weights ``[G, *shape]`` of the given experts, in two bitsandbytes calls."""
         q, q2 = self._rows(f"{which}_absmax", experts), self._rows(f"{which}_absmax2", experts)
-        nested = bnbf.QuantState(absmax=q2.reshape(-1), code=self.nested_code, blocksize=NESTED_BLOCKSIZE,
-                                 dtype=torch.float32)
+        nested = bnbf.QuantState(
+            absmax=q2.reshape(-1), code=self.nested_code, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32
+        )
         if q.shape[1] % NESTED_BLOCKSIZE == 0:  # nested blocks never straddle two experts
             absmax = bnbf.dequantize_blockwise(q.reshape(-1), nested).view(q.shape)
         else:
-            absmax = torch.stack([bnbf.dequantize_blockwise(q[g], bnbf.QuantState(
-                absmax=q2[g], code=self.nested_code, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32))
-                for g in range(q.shape[0])])
+            absmax = torch.stack(
+                [
+                    bnbf.dequantize_blockwise(
+                        q[g],
+                        bnbf.QuantState(
+                            absmax=q2[g],
+                            code=self.nested_code,
+                            blocksize=NESTED_BLOCKSIZE,
+                            dtype=torch.float32,
+                        ),
+                    )
+                    for g in range(q.shape[0])
+                ]
+            )
         absmax = absmax + self._rows(f"{which}_offset", experts)[:, None]
         packed = self._rows(f"{which}_nf4", experts)
         return torch.ops.bitsandbytes.dequantize_4bit.default(
-            packed.reshape(-1, 1), absmax.reshape(-1), BLOCKSIZE, "nf4",
-            (q.shape[0], *self.shapes[which]), self.dtype)
+            packed.reshape(-1, 1),
+            absmax.reshape(-1),
+            BLOCKSIZE,
+            "nf4",
+            (q.shape[0], *self.shapes[which]),
+            self.dtype,
+        )
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
                 return _NF4ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self)
@@ -193,7 +250,7 @@ class NF4Experts(nn.Module):
             return _grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offs)
         outs, start = [], 0
         for j, count in enumerate(counts):
-            gate, up = F.linear(x[start:start + count], gate_up[j]).chunk(2, dim=-1)
+            gate, up = F.linear(x[start : start + count], gate_up[j]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, down[j]))
             start += count
         return torch.cat(outs)
@@ -213,25 +270,31 @@ class NF4Experts(nn.Module):
                 rows = self._chunk_rows(hidden, weights_flat, routing, chunk).to(out.dtype)
                 start = chunk.start
                 for count in chunk.counts:
-                    out.index_add_(0, routing.tokens[start:start + count], rows[start - chunk.start:][:count])
+                    out.index_add_(
+                        0, routing.tokens[start : start + count], rows[start - chunk.start :][:count]
+                    )
                     start += count
             return out
         tokens_n, k = top_k_index.shape  # grouped: rows back to [T, K] slots, summed in fp32
         dtype = torch.promote_types(self.dtype, weights_flat.dtype)
         out = hidden.new_zeros(tokens_n * k, hidden.shape[-1], dtype=dtype)
         for chunk in routing.chunks:
-            out[routing.slots[chunk.start:chunk.stop]] = self._chunk_rows(hidden, weights_flat, routing, chunk)
+            out[routing.slots[chunk.start : chunk.stop]] = self._chunk_rows(
+                hidden, weights_flat, routing, chunk
+            )
         return out.view(tokens_n, k, -1).sum(dim=1).to(hidden.dtype)
 
     def _backward_impl(self, hidden, top_k_index, top_k_weights, grad_out, need_hidden, need_weights):
         """Input and routing-weight grads, recomputing one chunk at a time (no bf16 weights kept)."""
         routing = self._routing(top_k_index)
         weights_flat = top_k_weights.reshape(-1)
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        )
         grad_weights = torch.zeros_like(weights_flat) if need_weights else None
         for chunk in routing.chunks:
-            tokens = routing.tokens[chunk.start:chunk.stop]
-            slots = routing.slots[chunk.start:chunk.stop]
+            tokens = routing.tokens[chunk.start : chunk.stop]
+            slots = routing.slots[chunk.start : chunk.stop]
             with torch.enable_grad():
                 x = hidden[tokens].detach().requires_grad_(need_hidden)
                 w = weights_flat[slots].detach().requires_grad_(need_weights)
@@ -244,12 +307,16 @@ class NF4Experts(nn.Module):
                 grad_hidden.index_add_(0, tokens, grads.pop(0).float())
             if need_weights:
                 grad_weights[slots] = grads.pop(0).to(grad_weights.dtype)
-        return (grad_hidden.to(hidden.dtype) if need_hidden else None,
-                grad_weights.view_as(top_k_weights) if need_weights else None)
+        return (
+            grad_hidden.to(hidden.dtype) if need_hidden else None,
+            grad_weights.view_as(top_k_weights) if need_weights else None,
+        )
 
     def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"nf4 blocksize={BLOCKSIZE} double-quant, {self.implementation}, chunk={self.chunk_experts}")
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+            f"nf4 blocksize={BLOCKSIZE} double-quant, {self.implementation}, chunk={self.chunk_experts}"
+        )
 
 
 class _NF4ExpertsFunction(torch.autograd.Function):
@@ -265,7 +332,8 @@ class _NF4ExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, top_k_index, top_k_weights = ctx.saved_tensors
         grad_hidden, grad_weights = ctx.module._backward_impl(
-            hidden, top_k_index, top_k_weights, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+            hidden, top_k_index, top_k_weights, grad_out, ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        )
         return grad_hidden, None, grad_weights, None
 
 
@@ -311,6 +379,7 @@ def _autocast_off(forward):
     def wrapped(hidden_states, *args, **kwargs):
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             return forward(hidden_states, *args, **kwargs)
+
     return wrapped
 
 

@@ -29,16 +29,22 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
     return rows.repeat_interleave(block[1], dim=1)[:, : shape[1]]
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
-                          block: tuple[int, int] = DEFAULT_BLOCK,
-                          dtype: torch.dtype = torch.bfloat16, name: str = "weight") -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "weight",
+) -> torch.Tensor:
     """BF16 (or `dtype`) weight from an FP8 weight and its per-block `weight_scale_inv`.
 
     Computed in float32 and rounded once, as DeepSeek's own ``weight_dequant`` does.
     `name` only makes the error messages point at the offending tensor.
     """
     if weight.dim() != 2:
-        raise ValueError(f"{name}: FP8 block dequantization expects a 2-D weight, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: FP8 block dequantization expects a 2-D weight, got shape {tuple(weight.shape)}"
+        )
     expected = scale_grid(tuple(weight.shape), block)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(
@@ -50,8 +56,9 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
-def quantize_fp8_blocks(weight: torch.Tensor,
-                        block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight, weight_scale_inv) in DeepSeek's layout: scale = block absmax / 448.
 
     Used to make FP8 test and benchmark checkpoints from a BF16 model; all-zero

@@ -28,6 +28,17 @@ class LoraTargetError(ValueError):
     """No usable attention linear in the chosen layers, or an explicit target that does not exist."""
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """The adapter's shape and where it goes (notebook 20's lora_* parameters)."""
+
+    r: int  # LoRA rank
+    alpha: float  # scale numerator: the update is scaled by alpha / r
+    dropout: float  # dropout on the LoRA input; 0 keeps the fast path exact
+    last_k_layers: int  # adapt the last K decoder layers
+    targets: tuple[str, ...]  # short module names; (): auto-detect the attention projections
+
+
 @dataclass
 class LoraPlan:
     layers: list[int]
@@ -79,13 +90,21 @@ def plan_lora(model: nn.Module, last_k: int = 1, targets: list[str] | None = Non
     linears = {name: m for name, m in model.named_modules() if _is_linear(m)}
 
     def found(short: str) -> list[str]:
-        return [f for f in linears if any(f.startswith(p + ".") for p in prefixes) and f.rsplit(".", 1)[-1] == short]
+        return [
+            f
+            for f in linears
+            if any(f.startswith(p + ".") for p in prefixes) and f.rsplit(".", 1)[-1] == short
+        ]
 
     if targets:
         missing = [t for t in targets if not found(t)]
         if missing:
-            available = sorted({f.rsplit(".", 1)[-1] for f in linears if any(f.startswith(p + ".") for p in prefixes)})
-            raise LoraTargetError(f"lora_targets {missing} not found in layers {layers}; linears there: {available}")
+            available = sorted(
+                {f.rsplit(".", 1)[-1] for f in linears if any(f.startswith(p + ".") for p in prefixes)}
+            )
+            raise LoraTargetError(
+                f"lora_targets {missing} not found in layers {layers}; linears there: {available}"
+            )
         chosen = list(targets)
     else:
         chosen = None
@@ -94,24 +113,36 @@ def plan_lora(model: nn.Module, last_k: int = 1, targets: list[str] | None = Non
                 chosen = list(group)
                 break
         if chosen is None:
-            raise LoraTargetError(f"no attention linear from the preference list in layers {layers}; "
-                                  f"set lora_targets explicitly")
+            raise LoraTargetError(
+                f"no attention linear from the preference list in layers {layers}; "
+                f"set lora_targets explicitly"
+            )
     modules = sorted(m for t in chosen for m in found(t))
     return LoraPlan(layers, chosen, modules)
 
 
-def apply_lora(model: nn.Module, p, plan: LoraPlan | None = None):
+def apply_lora(model: nn.Module, cfg: LoraConfig, plan: LoraPlan | None = None):
     """Wrap ``model`` with PEFT adapters on exactly ``plan.modules``; freeze the rest."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
-    plan = plan or plan_lora(model, p.lora_last_k_layers, p.lora_targets or None)
+    plan = plan or plan_lora(model, cfg.last_k_layers, list(cfg.targets) or None)
     # Full module names (exact matches). A regex string here got widened to every layer's
     # q_a_proj/q_b_proj by PEFT 0.21 on DeepSeek-V3, so the result is checked below too.
-    config = LoraConfig(r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout,
-                        target_modules=list(plan.modules), bias="none", task_type="CAUSAL_LM")
+    config = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(plan.modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
-    adapted = sorted(n.removeprefix("base_model.model.").removesuffix(".lora_A")
-                     for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
+    adapted = sorted(
+        n.removeprefix("base_model.model.").removesuffix(".lora_A")
+        for n, _ in peft_model.named_modules()
+        if n.endswith(".lora_A")
+    )
     if adapted != plan.modules:  # never train what was not asked for
         raise LoraTargetError(f"PEFT adapted {adapted}, expected {plan.modules}")
     for name, param in peft_model.named_parameters():
@@ -122,9 +153,14 @@ def apply_lora(model: nn.Module, p, plan: LoraPlan | None = None):
 def lora_summary(peft_model: nn.Module, plan: LoraPlan) -> dict[str, Any]:
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    return {"layers": plan.layers, "targets": plan.targets, "modules": plan.modules,
-            "trainable_params": trainable, "total_params": total,
-            "trainable_share": trainable / total if total else 0.0}
+    return {
+        "layers": plan.layers,
+        "targets": plan.targets,
+        "modules": plan.modules,
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_share": trainable / total if total else 0.0,
+    }
 
 
 def first_adapted_layer(plan: LoraPlan) -> int:

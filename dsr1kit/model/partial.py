@@ -46,21 +46,34 @@ class NoEmbeddings(nn.Module):
     def __init__(self, num_embeddings: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.num_embeddings = num_embeddings
-        self.register_buffer("weight", torch.empty(num_embeddings, 0, device=device, dtype=dtype), persistent=False)
+        self.register_buffer(
+            "weight", torch.empty(num_embeddings, 0, device=device, dtype=dtype), persistent=False
+        )
 
     def forward(self, input_ids):
-        raise RuntimeError("this model trains from the prefix cache and has no embeddings: pass inputs_embeds")
+        raise RuntimeError(
+            "this model trains from the prefix cache and has no embeddings: pass inputs_embeds"
+        )
 
 
-def load_adapted_layers(path: str | Path, first_layer: int, device: torch.device | str | int = "cpu", *,
-                        dtype: torch.dtype = torch.bfloat16, nf4: bool = False, progress: bool = False) -> nn.Module:
+def load_adapted_layers(
+    path: str | Path,
+    first_layer: int,
+    device: torch.device | str | int = "cpu",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    nf4: bool = False,
+    progress: bool = False,
+) -> nn.Module:
     """DeepseekV3ForCausalLM with layers ≥ ``first_layer``, norm and lm_head loaded on ``device``; eval mode."""
     from tqdm.auto import tqdm
 
     ckpt = Checkpoint(path)
     if ckpt.config.tie_word_embeddings:
-        raise CheckpointError(f"{path}: lm_head is tied to the embeddings; training from the prefix cache loads "
-                              "lm_head alone and needs an untied checkpoint (DeepSeek-V3/R1 are untied)")
+        raise CheckpointError(
+            f"{path}: lm_head is tied to the embeddings; training from the prefix cache loads "
+            "lm_head alone and needs an untied checkpoint (DeepSeek-V3/R1 are untied)"
+        )
     n = ckpt.config.num_hidden_layers
     if not 0 <= first_layer < n:
         raise ValueError(f"first adapted layer {first_layer} is outside the model's {n} layers")
@@ -69,11 +82,23 @@ def load_adapted_layers(path: str | Path, first_layer: int, device: torch.device
     for i in range(first_layer):
         model.model.layers[i] = Passthrough(i)
     model.model.embed_tokens = NoEmbeddings(ckpt.config.vocab_size, device, dtype)
-    loader = _Loader(ckpt, model, device, nf4_linears=nf4, nf4_experts=nf4, keep_bf16=("lm_head",), dtype=dtype,
-                     chunk_experts=CHUNK_EXPERTS)
+    loader = _Loader(
+        ckpt,
+        model,
+        device,
+        nf4_linears=nf4,
+        nf4_experts=nf4,
+        keep_bf16=("lm_head",),
+        dtype=dtype,
+        chunk_experts=CHUNK_EXPERTS,
+    )
     names = [f"model.layers.{i}" for i in range(first_layer, n)] + ["model.norm", "lm_head"]
-    for prefix in tqdm(names, desc=f"loading layers {first_layer}-{n - 1} of {ckpt.path.name}", unit="unit",
-                       disable=not progress):
+    for prefix in tqdm(
+        names,
+        desc=f"loading layers {first_layer}-{n - 1} of {ckpt.path.name}",
+        unit="unit",
+        disable=not progress,
+    ):
         loader.load_unit(prefix)
     _finish(model, ckpt, device, dtype)
     return model

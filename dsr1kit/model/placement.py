@@ -41,7 +41,9 @@ def contiguous_blocks(sizes: list[int], n_devices: int, head: int = 0, tail: int
     return out
 
 
-def device_map(config, n_devices: int, scheme: Scheme = "contiguous", sizes: list[int] | None = None) -> dict[str, int]:
+def device_map(
+    config, n_devices: int, scheme: Scheme = "contiguous", sizes: list[int] | None = None
+) -> dict[str, int]:
     """A transformers device_map for a causal LM with ``model.layers``."""
     n_layers = config.num_hidden_layers
     if scheme == "round_robin":
@@ -60,6 +62,9 @@ def device_map(config, n_devices: int, scheme: Scheme = "contiguous", sizes: lis
 
 def boundary_crossings(dm: dict[str, int]) -> int:
     """How many times the hidden state changes device in one forward pass."""
-    order = ["model.embed_tokens"] + sorted((k for k in dm if k.startswith("model.layers.")),
-                                            key=lambda k: int(k.rsplit(".", 1)[1])) + ["lm_head"]
+    order = (
+        ["model.embed_tokens"]
+        + sorted((k for k in dm if k.startswith("model.layers.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+        + ["lm_head"]
+    )
     return sum(dm[a] != dm[b] for a, b in zip(order, order[1:]))

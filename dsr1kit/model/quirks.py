@@ -99,5 +99,8 @@ def apply_quirks(model: nn.Module) -> dict[str, int]:
     if gates:
         keep_gates_frozen_on_train(model)
     guards = guard_remote_moe(model)
-    return {"remote_gates_frozen": gates, "remote_moe_guarded": len(guards),
-            "nf4_cpu_repack_disabled": disable_cpu_nf4_repack(model)}
+    return {
+        "remote_gates_frozen": gates,
+        "remote_moe_guarded": len(guards),
+        "nf4_cpu_repack_disabled": disable_cpu_nf4_repack(model),
+    }

@@ -29,7 +29,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .checkpoint_index import CheckpointError, read_weight_map
-from .experts_nf4 import CHUNK_EXPERTS, NF4Experts, experts_implementation, is_fused_experts, keep_routing_fp32
+from .experts_nf4 import (
+    CHUNK_EXPERTS,
+    NF4Experts,
+    experts_implementation,
+    is_fused_experts,
+    keep_routing_fp32,
+)
 from .fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, dequantize_fp8_blocks
 
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
@@ -39,6 +45,7 @@ DeviceMap = Mapping[str, Any] | str | int | torch.device
 
 
 # -- the checkpoint on disk ----------------------------------------------------------------
+
 
 class Checkpoint:
     """config.json + the tensor → shard map of a safetensors checkpoint directory."""
@@ -58,19 +65,25 @@ def read_config(path: Path):
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} not found: a checkpoint directory needs config.json next to its "
-                              "*.safetensors shards (download the whole repository, not only the shards).")
+        raise CheckpointError(
+            f"{cfg_file} not found: a checkpoint directory needs config.json next to its "
+            "*.safetensors shards (download the whole repository, not only the shards)."
+        )
     raw = json.loads(cfg_file.read_text())
     if raw.get("model_type") != "deepseek_v3":
-        raise CheckpointError(f"{cfg_file}: model_type is {raw.get('model_type')!r}; the streaming loader reads "
-                              "DeepSeek-V3/R1 checkpoints (model_type 'deepseek_v3'). Load other models with "
-                              "dsr1kit.model.load.load_model.")
+        raise CheckpointError(
+            f"{cfg_file}: model_type is {raw.get('model_type')!r}; the streaming loader reads "
+            "DeepSeek-V3/R1 checkpoints (model_type 'deepseek_v3'). Load other models with "
+            "dsr1kit.model.load.load_model."
+        )
     quant = raw.pop("quantization_config", None)
     fp8_block = None
     if quant is not None:
         if quant.get("quant_method") != "fp8":
-            raise CheckpointError(f"{cfg_file}: quantization_config.quant_method {quant.get('quant_method')!r} is "
-                                  "not supported; the loader reads BF16 checkpoints and DeepSeek's block FP8.")
+            raise CheckpointError(
+                f"{cfg_file}: quantization_config.quant_method {quant.get('quant_method')!r} is "
+                "not supported; the loader reads BF16 checkpoints and DeepSeek's block FP8."
+            )
         fp8_block = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
     for key in ("auto_map", "architectures"):  # transformers' native DeepseekV3, never the repo's remote code
         raw.pop(key, None)
@@ -78,6 +91,7 @@ def read_config(path: Path):
 
 
 # -- does the checkpoint match its config? ----------------------------------------------------
+
 
 def _normalised_keys(ckpt: Checkpoint) -> set[str]:
     """Checkpoint keys in the model's naming: scales dropped, per-expert keys as ``experts.E.part``."""
@@ -101,8 +115,11 @@ def _expected_keys(model: nn.Module, per_expert: bool) -> set[str]:
     for name, module in model.named_modules():
         if is_fused_experts(module):
             keys -= {f"{name}.gate_up_proj", f"{name}.down_proj"}
-            keys |= {f"{name}.{e}.{p}_proj.weight" for e in range(module.gate_up_proj.shape[0])
-                     for p in ("gate", "up", "down")}
+            keys |= {
+                f"{name}.{e}.{p}_proj.weight"
+                for e in range(module.gate_up_proj.shape[0])
+                for p in ("gate", "up", "down")
+            }
     return keys
 
 
@@ -117,9 +134,11 @@ def check_matches_config(ckpt: Checkpoint, model: nn.Module) -> None:
     if not missing and not unexpected:
         return
     c = ckpt.config
-    lines = [f"the shards in {ckpt.path} do not match its config.json "
-             f"(num_hidden_layers={c.num_hidden_layers}, n_routed_experts={c.n_routed_experts}, "
-             f"first_k_dense_replace={c.first_k_dense_replace}):"]
+    lines = [
+        f"the shards in {ckpt.path} do not match its config.json "
+        f"(num_hidden_layers={c.num_hidden_layers}, n_routed_experts={c.n_routed_experts}, "
+        f"first_k_dense_replace={c.first_k_dense_replace}):"
+    ]
     for label, keys in (("missing", missing), ("unexpected", unexpected)):
         if keys:
             lines.append(f"  {len(keys)} {label} tensor(s), e.g. " + ", ".join(keys[:4]))
@@ -129,14 +148,21 @@ def check_matches_config(ckpt: Checkpoint, model: nn.Module) -> None:
 
 def check_expected_config(config, expect: Mapping[str, Any]) -> None:
     """The checkpoint is the model the caller meant (e.g. R1's 61 layers, 256 experts): all differences at once."""
-    diffs = [f"  {k}: expected {v!r}, checkpoint has {getattr(config, k, None)!r}"
-             for k, v in expect.items() if getattr(config, k, None) != v]
+    diffs = [
+        f"  {k}: expected {v!r}, checkpoint has {getattr(config, k, None)!r}"
+        for k, v in expect.items()
+        if getattr(config, k, None) != v
+    ]
     if diffs:
-        raise CheckpointError("checkpoint config.json does not match the expected model:\n" + "\n".join(diffs)
-                              + "\nPoint the loader at the right checkpoint or fix the expected values.")
+        raise CheckpointError(
+            "checkpoint config.json does not match the expected model:\n"
+            + "\n".join(diffs)
+            + "\nPoint the loader at the right checkpoint or fix the expected values."
+        )
 
 
 # -- placement ----------------------------------------------------------------------------
+
 
 def device_for(name: str, device_map: DeviceMap, default: Any = None) -> torch.device:
     """The device of module `name`: the longest device_map prefix that covers it."""
@@ -154,12 +180,15 @@ def _as_device(value: Any) -> torch.device:
     if isinstance(value, int):
         return torch.device("cuda", value)
     if str(value) in ("disk", "meta"):
-        raise CheckpointError(f"device_map value {value!r} is not supported by the streaming loader: "
-                              "give every module a GPU index or 'cpu'.")
+        raise CheckpointError(
+            f"device_map value {value!r} is not supported by the streaming loader: "
+            "give every module a GPU index or 'cpu'."
+        )
     return torch.device(value)
 
 
 # -- reading and converting tensors ---------------------------------------------------------
+
 
 class _UnitReader:
     """Tensors of one unit; shard handles (mmaps) are closed when the unit is done."""
@@ -176,8 +205,14 @@ class _UnitReader:
     def has(self, key: str) -> bool:
         return key in self.ckpt.weight_map
 
-    def read(self, key: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
-             index: int | None = None) -> torch.Tensor:
+    def read(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        index: int | None = None,
+    ) -> torch.Tensor:
         """Tensor `key` (row `index` of it, if given) checked against `shape`, on `device` in `dtype`."""
         handle = self._handle(key)
         sliced = handle.get_slice(key)
@@ -187,7 +222,8 @@ class _UnitReader:
             raise CheckpointError(
                 f"{self.ckpt.shard_of(key).name}: tensor {key} has shape {found}, but the model built from "
                 f"{self.ckpt.path / 'config.json'} expects {full}. The shards and config.json disagree: use "
-                "the config.json published with these shards.")
+                "the config.json published with these shards."
+            )
         raw = handle.get_tensor(key) if index is None else sliced[index]
         tensor = raw
         if tensor.dtype == torch.float8_e4m3fn:
@@ -201,8 +237,10 @@ class _UnitReader:
     def _dequantize(self, key, tensor, device, dtype):
         scale_key = key + SCALE_SUFFIX
         if not self.has(scale_key):
-            raise CheckpointError(f"{self.ckpt.shard_of(key).name}: FP8 tensor {key} has no {scale_key}; "
-                                  "the checkpoint is incomplete (re-download the shard that holds it).")
+            raise CheckpointError(
+                f"{self.ckpt.shard_of(key).name}: FP8 tensor {key} has no {scale_key}; "
+                "the checkpoint is incomplete (re-download the shard that holds it)."
+            )
         scale = self._handle(scale_key).get_tensor(scale_key).to(device)
         return dequantize_fp8_blocks(tensor, scale, self.ckpt.fp8_block or DEFAULT_BLOCK, dtype, name=key)
 
@@ -216,12 +254,21 @@ def _nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, c
     """A bitsandbytes Linear4bit (NF4, double quant, blocksize 64) as BitsAndBytesConfig would make."""
     import bitsandbytes as bnb
 
-    new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                            device="meta")
-    new.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, blocksize=64,
-                                   quant_type="nf4", module=new).to(device)
-    new.support_avx512bf16_for_cpu = False  # an eval forward on CPU repacks NF4; training then gets None grads
+    new = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=True,
+        quant_type="nf4",
+        device="meta",
+    )
+    new.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, compress_statistics=True, blocksize=64, quant_type="nf4", module=new
+    ).to(device)
+    new.support_avx512bf16_for_cpu = (
+        False  # an eval forward on CPU repacks NF4; training then gets None grads
+    )
     return new
 
 
@@ -260,8 +307,11 @@ class _Loader:
         return torch.float32 if key.endswith(FP32_KEYS) else self.dtype
 
     def _direct(self, reader, full, module, device) -> None:
-        persistent = [(n, b) for n, b in module.named_buffers(recurse=False)
-                      if n not in module._non_persistent_buffers_set]
+        persistent = [
+            (n, b)
+            for n, b in module.named_buffers(recurse=False)
+            if n not in module._non_persistent_buffers_set
+        ]
         for pname, tensor in list(module.named_parameters(recurse=False)) + persistent:
             key = f"{full}.{pname}"
             if key == "lm_head.weight" and self.model.config.tie_word_embeddings:
@@ -277,8 +327,16 @@ class _Loader:
         inter = two_i // 2
         fused = reader.has(f"{full}.gate_up_proj")
         if self.nf4_experts:
-            target = NF4Experts(n_exp, hidden, inter, module.act_fn, implementation=self.implementation,
-                                dtype=self.dtype, chunk_experts=self.chunk_experts, device=device)
+            target = NF4Experts(
+                n_exp,
+                hidden,
+                inter,
+                module.act_fn,
+                implementation=self.implementation,
+                dtype=self.dtype,
+                chunk_experts=self.chunk_experts,
+                device=device,
+            )
         else:
             gate_up = torch.empty(n_exp, two_i, hidden, dtype=self.dtype, device=device)
             down = torch.empty(n_exp, hidden, inter, dtype=self.dtype, device=device)
@@ -287,8 +345,10 @@ class _Loader:
                 gu = reader.read(f"{full}.gate_up_proj", (two_i, hidden), device, self.dtype, index=e)
                 d = reader.read(f"{full}.down_proj", (hidden, inter), device, self.dtype, index=e)
             else:
-                g, u = (reader.read(f"{full}.{e}.{p}_proj.weight", (inter, hidden), device, self.dtype)
-                        for p in ("gate", "up"))
+                g, u = (
+                    reader.read(f"{full}.{e}.{p}_proj.weight", (inter, hidden), device, self.dtype)
+                    for p in ("gate", "up")
+                )
                 gu = torch.cat([g, u])
                 d = reader.read(f"{full}.{e}.down_proj.weight", (hidden, inter), device, self.dtype)
             if self.nf4_experts:
@@ -308,6 +368,7 @@ class _Loader:
 
 # -- the entry point ------------------------------------------------------------------------
 
+
 def skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device: structure only, no memory."""
     from transformers import DeepseekV3ForCausalLM
@@ -322,10 +383,18 @@ def units(model: nn.Module) -> list[str]:
     return ["model.embed_tokens", *(f"model.layers.{i}" for i in range(n)), "model.norm", "lm_head"]
 
 
-def load_streaming(path: str | Path, device_map: DeviceMap = "cpu", *, nf4_linears: bool = True,
-                   nf4_experts: bool = True, keep_bf16: tuple[str, ...] = ("lm_head",),
-                   dtype: torch.dtype = torch.bfloat16, expect_config: Mapping[str, Any] | None = None,
-                   chunk_experts: int = CHUNK_EXPERTS, progress: bool = True) -> nn.Module:
+def load_streaming(
+    path: str | Path,
+    device_map: DeviceMap = "cpu",
+    *,
+    nf4_linears: bool = True,
+    nf4_experts: bool = True,
+    keep_bf16: tuple[str, ...] = ("lm_head",),
+    dtype: torch.dtype = torch.bfloat16,
+    expect_config: Mapping[str, Any] | None = None,
+    chunk_experts: int = CHUNK_EXPERTS,
+    progress: bool = True,
+) -> nn.Module:
     """DeepseekV3ForCausalLM from a BF16 or FP8 checkpoint dir, one unit at a time, in eval mode.
 
     device_map: ``"cpu"``, a GPU index, or ``{module-name prefix: device}`` as transformers takes.
@@ -355,7 +424,8 @@ def _finish(model: nn.Module, ckpt: Checkpoint, device_map: DeviceMap, dtype: to
     rotary = model.model.rotary_emb
     embed_device = device_for("model.embed_tokens", device_map)
     model.model.rotary_emb = type(rotary)(config=model.config).to(
-        device_for("model.rotary_emb", device_map, default=embed_device))
+        device_for("model.rotary_emb", device_map, default=embed_device)
+    )
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"internal: {len(left)} tensors were not loaded, e.g. {left[:3]}")

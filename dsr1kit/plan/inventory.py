@@ -32,8 +32,10 @@ KNOWN_CONFIGS = {  # repo id -> config file shipped beside this module (same arc
     "deepseek-ai/DeepSeek-V3": "deepseek-r1.json",
     "deepseek-ai/DeepSeek-V3-0324": "deepseek-r1.json",
 }
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 absmax (double quant)
-FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)       # e4m3 + one fp32 scale per 128x128 block
+NF4_BYTES = (
+    0.5 + 1 / 64 + 4 / (64 * 256)
+)  # 4-bit codes + 8-bit absmax per 64 + fp32 per 256 absmax (double quant)
+FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)  # e4m3 + one fp32 scale per 128x128 block
 KINDS = ("experts", "linear", "head", "embed", "router", "other")
 
 
@@ -43,8 +45,10 @@ class Inventory:
 
     config: object
     units: dict[str, dict[str, int]] = field(default_factory=dict)  # unit -> kind -> parameters
-    largest_linear: int = 0        # parameters of the biggest nn.Linear (bitsandbytes dequantizes one at a time)
-    adapted_linears: dict[str, tuple[int, int]] = field(default_factory=dict)  # name in last layer -> (in, out)
+    largest_linear: int = 0  # parameters of the biggest nn.Linear (bitsandbytes dequantizes one at a time)
+    adapted_linears: dict[str, tuple[int, int]] = field(
+        default_factory=dict
+    )  # name in last layer -> (in, out)
 
     @property
     def parameters(self) -> int:
@@ -81,8 +85,10 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     try:
         return strip_quantization(AutoConfig.from_pretrained(path, **kwargs))
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read the config of {model!r} to plan memory ({err}); point `model` at a "
-                         f"folder with config.json or make the hub reachable") from err
+        raise ValueError(
+            f"cannot read the config of {model!r} to plan memory ({err}); point `model` at a "
+            f"folder with config.json or make the hub reachable"
+        ) from err
 
 
 def config_from_file(path: str | Path):
@@ -90,7 +96,9 @@ def config_from_file(path: str | Path):
 
     raw = json.loads(Path(path).read_text())
     model_type = raw.pop("model_type")
-    return strip_quantization(AutoConfig.for_model(model_type, **raw), quantization=raw.get("quantization_config"))
+    return strip_quantization(
+        AutoConfig.for_model(model_type, **raw), quantization=raw.get("quantization_config")
+    )
 
 
 def strip_quantization(config, quantization: dict | None = None):
@@ -137,7 +145,7 @@ def inventory(config) -> Inventory:
             inv.largest_linear = max(inv.largest_linear, module.weight.numel())
         else:
             kind = "other"
-        for pname, param in own.items():
+        for pname in own:
             full = f"{name}.{pname}" if name else pname
             kind_of[full] = kind if (kind != "linear" or pname == "weight") else "other"
     last = len(skeleton.model.layers) - 1
@@ -164,16 +172,31 @@ def _unit(name: str) -> str:
 
 def bytes_per_param(dtype_bytes: int, nf4_linears: bool, nf4_experts: bool) -> dict[str, float]:
     """Bytes of one parameter of each kind, as the kit's loaders store it."""
-    return {"experts": NF4_BYTES if nf4_experts else dtype_bytes,
-            "linear": NF4_BYTES if nf4_linears else dtype_bytes,
-            "head": dtype_bytes, "embed": dtype_bytes, "router": 4, "other": dtype_bytes}
+    return {
+        "experts": NF4_BYTES if nf4_experts else dtype_bytes,
+        "linear": NF4_BYTES if nf4_linears else dtype_bytes,
+        "head": dtype_bytes,
+        "embed": dtype_bytes,
+        "router": 4,
+        "other": dtype_bytes,
+    }
 
 
 def served_bytes_per_param(config, dtype: str) -> dict[str, float]:
     """Bytes as vLLM holds the checkpoint: FP8 blocks as stored (dtype auto), else the dtype asked for."""
     if dtype == "auto" and checkpoint_is_fp8(config):
-        return {"experts": FP8_BLOCK_BYTES, "linear": FP8_BLOCK_BYTES, "head": 2, "embed": 2, "router": 4,
-                "other": 2}
-    size = 4 if dtype == "float32" or (dtype == "auto" and str(getattr(config, "dtype", "")) in (
-        "float32", "torch.float32")) else 2
+        return {
+            "experts": FP8_BLOCK_BYTES,
+            "linear": FP8_BLOCK_BYTES,
+            "head": 2,
+            "embed": 2,
+            "router": 4,
+            "other": 2,
+        }
+    size = (
+        4
+        if dtype == "float32"
+        or (dtype == "auto" and str(getattr(config, "dtype", "")) in ("float32", "torch.float32"))
+        else 2
+    )
     return {k: size for k in KINDS} | {"router": 4}

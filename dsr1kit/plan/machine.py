@@ -26,10 +26,18 @@ class Machine:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if gpus else 0.0
         return cls(gpus, float(gpu_bytes), float(psutil.virtual_memory().available))
 
-    def with_overrides(self, gpus: int | None = None, gpu_gib: float | None = None,
-                       host_gib: float | None = None) -> "Machine":
-        changed = {k: v for k, v in (("gpus", gpus), ("gpu_bytes", gpu_gib and gpu_gib * GIB),
-                                     ("host_bytes", host_gib and host_gib * GIB)) if v is not None}
+    def with_overrides(
+        self, gpus: int | None = None, gpu_gib: float | None = None, host_gib: float | None = None
+    ) -> "Machine":
+        changed = {
+            k: v
+            for k, v in (
+                ("gpus", gpus),
+                ("gpu_bytes", gpu_gib and gpu_gib * GIB),
+                ("host_bytes", host_gib and host_gib * GIB),
+            )
+            if v is not None
+        }
         return replace(self, **changed, label="as given") if changed else self
 
     def describe(self) -> str:

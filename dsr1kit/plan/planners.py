@@ -14,8 +14,7 @@ import copy
 from dataclasses import replace
 
 from .advice import serving_advice, training_advice
-from .devices import Workload, lora_parameters, reference_devices, serving_devices, training_devices
-from .devices import GIB
+from .devices import GIB, Workload, lora_parameters, reference_devices, serving_devices, training_devices
 from .inputs import InspectionInputs, ServingInputs, TrainingInputs
 from .inventory import Inventory, checkpoint_is_fp8, inventory, resolve_config, strip_quantization
 from .machine import Machine
@@ -31,16 +30,28 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def _devices(inv: Inventory, machine: Machine, work: Workload, gpus: int, scheme: str):
-    return training_devices(inv, work, n_gpus=gpus, scheme=scheme, gpu_bytes=machine.gpu_bytes,
-                            host_bytes=machine.host_bytes)
+    return training_devices(
+        inv, work, n_gpus=gpus, scheme=scheme, gpu_bytes=machine.gpu_bytes, host_bytes=machine.host_bytes
+    )
 
 
-def _facts(inv: Inventory, quantization: str, nf4_experts: bool, dtype: str, gpus: int, placement: str,
-           tokens: str, machine: Machine) -> dict[str, str]:
-    return {"model": f"{_count(inv.parameters)} parameters ({len(inv.layers)} layers)",
-            "weights": f"{dtype}, linears {quantization}, experts {'nf4' if nf4_experts else dtype}",
-            "placement": f"{placement} over {gpus} GPU(s)" if gpus else "host (no GPU)",
-            "tokens per step": tokens, "machine": machine.describe()}
+def _facts(
+    inv: Inventory,
+    quantization: str,
+    nf4_experts: bool,
+    dtype: str,
+    gpus: int,
+    placement: str,
+    tokens: str,
+    machine: Machine,
+) -> dict[str, str]:
+    return {
+        "model": f"{_count(inv.parameters)} parameters ({len(inv.layers)} layers)",
+        "weights": f"{dtype}, linears {quantization}, experts {'nf4' if nf4_experts else dtype}",
+        "placement": f"{placement} over {gpus} GPU(s)" if gpus else "host (no GPU)",
+        "tokens per step": tokens,
+        "machine": machine.describe(),
+    }
 
 
 def _count(n: int) -> str:
@@ -52,7 +63,9 @@ def hari_plan_for_config(config, machine: Machine, inputs: TrainingInputs) -> Pl
     return hari_plan(inputs, machine, inventory(strip_quantization(copy.deepcopy(config))), advise=False)
 
 
-def hari_plan(inputs: TrainingInputs, machine: Machine, inv: Inventory | None = None, advise: bool = True) -> Plan:
+def hari_plan(
+    inputs: TrainingInputs, machine: Machine, inv: Inventory | None = None, advise: bool = True
+) -> Plan:
     """Notebook 20: load (as dsr1kit.model.load does) and one HARI step of batch_size × max_len tokens.
 
     From the prefix cache, the step's plan is per rank (one GPU each): only the adapted layers, the final
@@ -63,12 +76,31 @@ def hari_plan(inputs: TrainingInputs, machine: Machine, inv: Inventory | None = 
     if c.from_prefix_cache:
         return _cached_hari_plan(c, machine, inv)
     gpus = 0 if c.device_map == "cpu" else machine.gpus
-    work = Workload(_dtype_bytes(c.dtype), c.quantization == "nf4", c.quantize_experts, c.batch_size * c.max_len,
-                    chunk=c.loss_chunk, last_k=c.lora_last_k_layers, lora_params=_lora(inv, c),
-                    from_pretrained=not c.quantize_experts)
+    work = Workload(
+        _dtype_bytes(c.dtype),
+        c.quantization == "nf4",
+        c.quantize_experts,
+        c.batch_size * c.max_len,
+        chunk=c.loss_chunk,
+        last_k=c.lora_last_k_layers,
+        lora_params=_lora(inv, c),
+        from_pretrained=not c.quantize_experts,
+    )
     devices = _devices(inv, machine, work, gpus, c.device_map if gpus else "contiguous")
-    plan = Plan("HARI load + step", devices, _facts(inv, c.quantization, c.quantize_experts, c.dtype, gpus,
-                                                     c.device_map, f"{c.batch_size} x {c.max_len}", machine))
+    plan = Plan(
+        "HARI load + step",
+        devices,
+        _facts(
+            inv,
+            c.quantization,
+            c.quantize_experts,
+            c.dtype,
+            gpus,
+            c.device_map,
+            f"{c.batch_size} x {c.max_len}",
+            machine,
+        ),
+    )
     if advise and not plan.fits:
         plan.advice = training_advice(c, machine, inv, hari_plan)
     return plan
@@ -80,56 +112,114 @@ def _lora(inv: Inventory, c: TrainingInputs) -> int:
 
 def adapted_only(inv: Inventory, last_k: int) -> Inventory:
     """The inventory with the frozen prefix and the embeddings emptied: what training from the cache loads."""
-    keep = set(inv.layers[len(inv.layers) - last_k:])
-    units = {u: (kinds if u in keep or not (u in inv.layers or u == "model.embed_tokens") else {})
-             for u, kinds in inv.units.items()}
+    keep = set(inv.layers[len(inv.layers) - last_k :])
+    units = {
+        u: (kinds if u in keep or not (u in inv.layers or u == "model.embed_tokens") else {})
+        for u, kinds in inv.units.items()
+    }
     return replace(inv, units=units)
 
 
 def _cached_hari_plan(c: TrainingInputs, machine: Machine, inv: Inventory) -> Plan:
     gpus = 0 if c.device_map == "cpu" or not machine.gpus else 1
-    work = Workload(_dtype_bytes(c.dtype), c.cached_layers_nf4, c.cached_layers_nf4, c.batch_size * c.max_len,
-                    chunk=c.loss_chunk, last_k=c.lora_last_k_layers, lora_params=_lora(inv, c),
-                    from_pretrained=False)
+    work = Workload(
+        _dtype_bytes(c.dtype),
+        c.cached_layers_nf4,
+        c.cached_layers_nf4,
+        c.batch_size * c.max_len,
+        chunk=c.loss_chunk,
+        last_k=c.lora_last_k_layers,
+        lora_params=_lora(inv, c),
+        from_pretrained=False,
+    )
     devices = _devices(adapted_only(inv, c.lora_last_k_layers), machine, work, gpus, "contiguous")
-    facts = _facts(inv, "nf4" if c.cached_layers_nf4 else "none", c.cached_layers_nf4, c.dtype, gpus,
-                   "one GPU per rank", f"{c.batch_size} x {c.max_len}", machine)
-    facts["loaded"] = (f"the last {c.lora_last_k_layers} layer(s), norm and lm_head; the rest is read from the "
-                       f"prefix cache")
+    facts = _facts(
+        inv,
+        "nf4" if c.cached_layers_nf4 else "none",
+        c.cached_layers_nf4,
+        c.dtype,
+        gpus,
+        "one GPU per rank",
+        f"{c.batch_size} x {c.max_len}",
+        machine,
+    )
+    facts["loaded"] = (
+        f"the last {c.lora_last_k_layers} layer(s), norm and lm_head; the rest is read from the prefix cache"
+    )
     return Plan("HARI step from the prefix cache (per rank)", devices, facts)
 
 
-def prefix_pass_plan(inputs: TrainingInputs, machine: Machine, inv: Inventory | None = None,
-                     advise: bool = True) -> Plan:
+def prefix_pass_plan(
+    inputs: TrainingInputs, machine: Machine, inv: Inventory | None = None, advise: bool = True
+) -> Plan:
     """The prefix pass: the model loaded as for HARI, forward only, micro-batches of prefix_tokens_per_batch."""
     c = inputs
     inv = inv or _inv(c.model, c.trust_remote_code)
     gpus = 0 if c.device_map == "cpu" else machine.gpus
-    work = Workload(_dtype_bytes(c.dtype), c.quantization == "nf4", c.quantize_experts, c.prefix_tokens_per_batch,
-                    from_pretrained=not c.quantize_experts, train=False)
+    work = Workload(
+        _dtype_bytes(c.dtype),
+        c.quantization == "nf4",
+        c.quantize_experts,
+        c.prefix_tokens_per_batch,
+        from_pretrained=not c.quantize_experts,
+        train=False,
+    )
     devices = _devices(inv, machine, work, gpus, c.device_map if gpus else "contiguous")
-    plan = Plan("prefix pass (load + forward)", devices,
-                _facts(inv, c.quantization, c.quantize_experts, c.dtype, gpus, c.device_map,
-                       f"{c.prefix_tokens_per_batch} per micro-batch", machine))
+    plan = Plan(
+        "prefix pass (load + forward)",
+        devices,
+        _facts(
+            inv,
+            c.quantization,
+            c.quantize_experts,
+            c.dtype,
+            gpus,
+            c.device_map,
+            f"{c.prefix_tokens_per_batch} per micro-batch",
+            machine,
+        ),
+    )
     if advise and not plan.fits:
         plan.advice = training_advice(c, machine, inv, prefix_pass_plan)
     return plan
 
 
-def inspect_plan(inputs: InspectionInputs, model: str, machine: Machine, inv: Inventory | None = None,
-                 advise: bool = True) -> Plan:
+def inspect_plan(
+    inputs: InspectionInputs, model: str, machine: Machine, inv: Inventory | None = None, advise: bool = True
+) -> Plan:
     """Notebook 30: the base loaded as notebook 30 loads it (bf16 on GPUs, fp32 on a CPU) and probe forwards."""
     c = inputs
     inv = inv or _inv(model)
     gpus = machine.gpus
-    work = Workload(2 if gpus else 4, c.quantization == "nf4", c.quantize_experts, c.max_len, chunk=c.max_len,
-                    from_pretrained=not c.quantize_experts, train=False, probe_tokens=c.max_len)
+    work = Workload(
+        2 if gpus else 4,
+        c.quantization == "nf4",
+        c.quantize_experts,
+        c.max_len,
+        chunk=c.max_len,
+        from_pretrained=not c.quantize_experts,
+        train=False,
+        probe_tokens=c.max_len,
+    )
     devices = _devices(inv, machine, work, gpus, "contiguous")
-    plan = Plan("adapter inspection (load + probes)", devices,
-                _facts(inv, c.quantization, c.quantize_experts, "bfloat16" if gpus else "float32", gpus,
-                       "contiguous", f"1 x {c.max_len}", machine))
+    plan = Plan(
+        "adapter inspection (load + probes)",
+        devices,
+        _facts(
+            inv,
+            c.quantization,
+            c.quantize_experts,
+            "bfloat16" if gpus else "float32",
+            gpus,
+            "contiguous",
+            f"1 x {c.max_len}",
+            machine,
+        ),
+    )
     if advise and not plan.fits:
-        plan.advice = training_advice(c, machine, inv, lambda q, m, i, advise: inspect_plan(q, model, m, i, advise))
+        plan.advice = training_advice(
+            c, machine, inv, lambda q, m, i, advise: inspect_plan(q, model, m, i, advise)
+        )
     return plan
 
 
@@ -138,21 +228,31 @@ def inspection_plans(inputs: InspectionInputs, base: str, machine: Machine) -> d
     inv = _inv(base)
     plans = {"inspect": inspect_plan(inputs, base, machine, inv)}
     if inputs.merge:
-        plans["merge check"] = reference_plan(base, machine, inputs.max_len,
-                                              "merged-checkpoint logits check (fp32, host)", inv)
+        plans["merge check"] = reference_plan(
+            base, machine, inputs.max_len, "merged-checkpoint logits check (fp32, host)", inv
+        )
     return plans
 
 
-def reference_plan(model: str, machine: Machine, tokens: int, step: str, inv: Inventory | None = None) -> Plan:
+def reference_plan(
+    model: str, machine: Machine, tokens: int, step: str, inv: Inventory | None = None
+) -> Plan:
     """A transformers copy in fp32 on the host (parity reference, merged-logits check)."""
     inv = inv or _inv(model)
-    return Plan(step, reference_devices(inv, machine.host_bytes, tokens),
-                {"model": f"{_count(inv.parameters)} parameters", "dtype": "float32 on the host",
-                 "machine": machine.describe()})
+    return Plan(
+        step,
+        reference_devices(inv, machine.host_bytes, tokens),
+        {
+            "model": f"{_count(inv.parameters)} parameters",
+            "dtype": "float32 on the host",
+            "machine": machine.describe(),
+        },
+    )
 
 
-def serve_plan(inputs: ServingInputs, model: str, machine: Machine, inv: Inventory | None = None,
-               fp8_blocks: bool = True) -> Plan:
+def serve_plan(
+    inputs: ServingInputs, model: str, machine: Machine, inv: Inventory | None = None, fp8_blocks: bool = True
+) -> Plan:
     """Notebook 10: vLLM's share per GPU (TP x PP, replicated over DP) and whether one sequence's KV fits.
 
     ``fp8_blocks=False``: this machine cannot run FP8 block-scaled linears, so an FP8 checkpoint is served as
@@ -163,23 +263,39 @@ def serve_plan(inputs: ServingInputs, model: str, machine: Machine, inv: Invento
     c = replace(inputs, dtype="bfloat16") if bf16_copy else inputs
     n = c.tensor_parallel_size * c.pipeline_parallel_size
     devices, info = serving_devices(
-        inv, dtype=c.dtype, n_gpus=machine.gpus and n, gpu_bytes=machine.gpu_bytes,
-        utilization=c.gpu_memory_utilization, host_bytes=machine.host_bytes, tp=c.tensor_parallel_size,
-        pp=c.pipeline_parallel_size, max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
-        batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
-        cpu_kv_bytes=c.cpu_kv_cache_gib * GIB)
-    facts = {"model": f"{_count(inv.parameters)} parameters",
-             "weights": "FP8 blocks as stored" if c.dtype == "auto" and checkpoint_is_fp8(inv.config)
-             else "bfloat16 copy of the FP8 checkpoint" if bf16_copy else c.dtype,
-             "GPUs": f"TP {c.tensor_parallel_size} x PP {c.pipeline_parallel_size} x DP {c.data_parallel_size}"
-             if machine.gpus else "none (vLLM-CPU)",
-             "KV": f"{info['kv_bytes_per_token'] / 1024:.1f} KiB/token, room for {info['kv_tokens']:,} tokens",
-             "machine": machine.describe()}
+        inv,
+        dtype=c.dtype,
+        n_gpus=machine.gpus and n,
+        gpu_bytes=machine.gpu_bytes,
+        utilization=c.gpu_memory_utilization,
+        host_bytes=machine.host_bytes,
+        tp=c.tensor_parallel_size,
+        pp=c.pipeline_parallel_size,
+        max_model_len=c.max_model_len,
+        max_num_seqs=c.max_num_seqs,
+        batched_tokens=c.max_num_batched_tokens,
+        enforce_eager=c.enforce_eager,
+        cpu_kv_bytes=c.cpu_kv_cache_gib * GIB,
+    )
+    facts = {
+        "model": f"{_count(inv.parameters)} parameters",
+        "weights": "FP8 blocks as stored"
+        if c.dtype == "auto" and checkpoint_is_fp8(inv.config)
+        else "bfloat16 copy of the FP8 checkpoint"
+        if bf16_copy
+        else c.dtype,
+        "GPUs": f"TP {c.tensor_parallel_size} x PP {c.pipeline_parallel_size} x DP {c.data_parallel_size}"
+        if machine.gpus
+        else "none (vLLM-CPU)",
+        "KV": f"{info['kv_bytes_per_token'] / 1024:.1f} KiB/token, room for {info['kv_tokens']:,} tokens",
+        "machine": machine.describe(),
+    }
     plan = Plan("vLLM serving", devices, facts)
     if info["kv_tokens"] < c.max_model_len:
         plan.extra_problems.append(
             f"the KV cache holds {info['kv_tokens']:,} tokens, fewer than one sequence of max_model_len "
-            f"{c.max_model_len:,} (vLLM refuses to start)")
+            f"{c.max_model_len:,} (vLLM refuses to start)"
+        )
     if not plan.fits:
         plan.advice = serving_advice(c, devices, info)
     return plan

@@ -39,10 +39,12 @@ class Plan:
         columns = sorted({k for d in self.devices for k in d.parts}, key=_column_order)
         out = []
         for d in self.devices:
-            row = {"device": d.name, **({"peak at": d.phase or "-"} if any(x.phase for x in self.devices) else {}),
-                   **{k: _gib(d.parts.get(k, 0.0)) for k in columns}}
-            row.update(total=_gib(d.total), available=_gib(d.budget),
-                       fits="yes" if d.fits else "NO")
+            row = {
+                "device": d.name,
+                **({"peak at": d.phase or "-"} if any(x.phase for x in self.devices) else {}),
+                **{k: _gib(d.parts.get(k, 0.0)) for k in columns},
+            }
+            row.update(total=_gib(d.total), available=_gib(d.budget), fits="yes" if d.fits else "NO")
             out.append(row)
         return out
 
@@ -61,14 +63,20 @@ class Plan:
         return f"{d.name} {d.total / GIB:.1f} of {d.budget / GIB:.1f} GiB"
 
     def problems(self) -> list[str]:
-        out = [f"{d.name} needs {d.total / GIB:.1f} GiB, {d.budget / GIB:.1f} GiB available"
-               for d in self.devices if not d.fits]
+        out = [
+            f"{d.name} needs {d.total / GIB:.1f} GiB, {d.budget / GIB:.1f} GiB available"
+            for d in self.devices
+            if not d.fits
+        ]
         return out + self.extra_problems
 
     def refusal(self) -> str:
         advice = "\n".join(f"  - {a}" for a in self.advice) or "  - (no setting tried here fits: more nodes?)"
-        return (f"the memory plan for {self.step} does not fit: " + "; ".join(self.problems())
-                + f"\n{self.text()}\nWhat to change:\n{advice}")
+        return (
+            f"the memory plan for {self.step} does not fit: "
+            + "; ".join(self.problems())
+            + f"\n{self.text()}\nWhat to change:\n{advice}"
+        )
 
     def check(self) -> "Plan":
         """Raise PlanError (table + what to change) when it does not fit; else return self."""
@@ -77,8 +85,14 @@ class Plan:
         return self
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "fits": self.fits, "facts": self.facts, "rows": self.rows(),
-                "problems": self.problems(), "advice": self.advice}
+        return {
+            "step": self.step,
+            "fits": self.fits,
+            "facts": self.facts,
+            "rows": self.rows(),
+            "problems": self.problems(),
+            "advice": self.advice,
+        }
 
 
 def _gib(n: float) -> float:
@@ -86,6 +100,15 @@ def _gib(n: float) -> float:
 
 
 def _column_order(name: str) -> int:
-    order = ["weights", "dequant (transient)", "activations", "loss / logits", "LoRA + optimizer",
-             "weights in transit", "CUDA graphs", "KV cache", "runtime"]
+    order = [
+        "weights",
+        "dequant (transient)",
+        "activations",
+        "loss / logits",
+        "LoRA + optimizer",
+        "weights in transit",
+        "CUDA graphs",
+        "KV cache",
+        "runtime",
+    ]
     return order.index(name) if name in order else len(order)

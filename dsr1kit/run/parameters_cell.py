@@ -2,28 +2,29 @@
 
 The model is the one place where a default and its help text live. The cell
 shows them to a person who opens the notebook, and gives papermill the names
-it injects a run's values after. ``python -m dsr1kit.run.parameters_cell`` rewrites
-the committed cells after a model changes; a test fails while one differs.
+it injects a run's values after. ``dsr1kit parameters-cell`` rewrites the
+committed cells after a model changes; a test fails while one differs.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..params import MODELS, NotebookParams
+from pydantic import BaseModel
 
-HEADER = ("# Parameters (defaults: the tiny CPU set, from dsr1kit.params; "
-          "papermill injects a run's values after this cell).")
+HEADER = (
+    "# Parameters (defaults: the tiny CPU set, from dsr1kit.params; "
+    "papermill injects a run's values after this cell)."
+)
 COMMENT_COLUMN = 40  # comments line up here unless the assignment is longer
-LINE_WIDTH = 112     # help text wraps onto comment lines below, at the same column
+LINE_WIDTH = 112  # help text wraps onto comment lines below, at the same column
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 
 
-def render(model: type[NotebookParams]) -> str:
+def render(model: type[BaseModel]) -> str:
     """`name = default  # help` for every field, grouped by the fields' sections, in model order."""
     rows: list[tuple[str, str]] = []
     for name, field in model.model_fields.items():
@@ -34,7 +35,9 @@ def render(model: type[NotebookParams]) -> str:
             rows.append((f"# -- {extra['section']}", ""))
         help_text = field.description or ""
         if "=" in help_text:  # papermill skips a parameter line holding a second '='
-            raise ValueError(f"{model.__name__}.{name}: help text must not contain '=' (write ':'): {help_text!r}")
+            raise ValueError(
+                f"{model.__name__}.{name}: help text must not contain '=' (write ':'): {help_text!r}"
+            )
         rows.append((_assignment(name, field.get_default(call_default_factory=True)), help_text))
     width = max(len(code) for code, help_text in rows if help_text and len(code) < COMMENT_COLUMN)
     lines = [HEADER]
@@ -78,26 +81,14 @@ def committed_source(path: Path) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def write(path: Path) -> bool:
-    """Replace the notebook's parameters cell with the rendering; True when it changed."""
+def write(path: Path, model: type[BaseModel]) -> bool:
+    """Replace the notebook's parameters cell with the rendering of ``model``; True when it changed."""
     nb = json.loads(path.read_text())
     cell = parameters_cell(nb)
-    text = render(MODELS[path.stem])
+    text = render(model)
     if ("".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]) == text:
         return False
     cell["source"] = text.splitlines(keepends=True)
     cell["outputs"], cell["execution_count"] = [], None
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    paths = [Path(a) for a in (argv if argv is not None else sys.argv[1:])] or sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
-    for path in paths:
-        if path.stem in MODELS:
-            print(f"{path}: {'rewritten' if write(path) else 'up to date'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 from typing import Iterator, Mapping
 
-SECRET_ENV_NAME = re.compile(r"(?:^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|APIKEY|CREDENTIALS?)(?:$|_)", re.I)
+SECRET_ENV_NAME = re.compile(
+    r"(?:^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|APIKEY|CREDENTIALS?)(?:$|_)", re.I
+)
 MIN_SECRET_CHARS = 4
 NOT_SECRET_VALUES = {"true", "false", "none", "null", "yes", "no", "auto"}
 CHUNK = 16 * 2**20
@@ -33,8 +35,11 @@ CHUNK = 16 * 2**20
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """The environment's secret values, longest first (so a secret containing another is masked whole)."""
     env = os.environ if env is None else env
-    values = {v for k, v in env.items() if SECRET_ENV_NAME.search(k) and len(v) >= MIN_SECRET_CHARS
-              and v.lower() not in NOT_SECRET_VALUES}
+    values = {
+        v
+        for k, v in env.items()
+        if SECRET_ENV_NAME.search(k) and len(v) >= MIN_SECRET_CHARS and v.lower() not in NOT_SECRET_VALUES
+    }
     return sorted(values, key=len, reverse=True)
 
 
@@ -74,8 +79,11 @@ def redact_tree(root: Path, values: list[str] | None = None) -> list[str]:
     values = secret_values() if values is None else values
     if not values:
         return []
-    return [str(p.relative_to(root)) for p in sorted(Path(root).rglob("*"))
-            if p.is_file() and not p.is_symlink() and redact_file(p, values)]
+    return [
+        str(p.relative_to(root))
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file() and not p.is_symlink() and redact_file(p, values)
+    ]
 
 
 class RedactingFilter(logging.Filter):

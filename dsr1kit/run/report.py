@@ -135,9 +135,13 @@ def _failed_cell(ipynb: Path) -> dict[str, Any] | None:
     for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error" and out.get("ename") != "PapermillExecutionError":
-                return {"index": i, "execution_count": cell.get("execution_count"),
-                        "ename": out.get("ename"), "evalue": out.get("evalue"),
-                        "source": cell.source[:400]}
+                return {
+                    "index": i,
+                    "execution_count": cell.get("execution_count"),
+                    "ename": out.get("ename"),
+                    "evalue": out.get("evalue"),
+                    "source": cell.source[:400],
+                }
     return None
 
 
@@ -146,22 +150,25 @@ def find_notebook(notebook: str | Path) -> Path:
     notebook = Path(notebook)
     if not notebook.is_file():
         known = sorted(p.name for p in (PROJECT_ROOT / "notebooks").glob("*.ipynb"))
-        raise FileNotFoundError(f"notebook not found: {notebook}; the kit's notebooks: "
-                                + ", ".join(f"notebooks/{k}" for k in known))
+        raise FileNotFoundError(
+            f"notebook not found: {notebook}; the kit's notebooks: "
+            + ", ".join(f"notebooks/{k}" for k in known)
+        )
     return notebook
 
 
 def run_notebook(
     notebook: str | Path,
-    p: Any,
+    parameters: dict[str, Any],
     param_files: list[str | Path] = (),
     overrides: dict[str, Any] | None = None,
     runs_root: str | Path = "runs",
     run_dir: str | Path | None = None,
     log_output: bool = True,
 ) -> RunResult:
-    """Execute the notebook with papermill on validated parameters ``p`` (a notebook's parameter object,
-    validated by the caller), render HTML, write status.
+    """Execute the notebook with papermill on ``parameters`` (its values, validated by the caller), render
+    HTML, write status. ``run_dir`` (or ``parameters["run_dir"]``) is the exact run folder; else a new one
+    under ``runs_root``.
 
     ``param_files`` and ``overrides`` are only recorded in status.json. Raises NotebookFailed (after writing
     the partial report) when a cell raises.
@@ -169,22 +176,26 @@ def run_notebook(
     import papermill as pm
 
     notebook = find_notebook(notebook)
+    resolved = dict(parameters)
     if run_dir:
-        p.run_dir = str(Path(run_dir).resolve())
-    shared_dir = ensure_run_dir(p.run_dir, p.notebook, runs_root)
-    p.run_dir = str(shared_dir)
+        resolved["run_dir"] = str(Path(run_dir).resolve())
+    shared_dir = ensure_run_dir(resolved.get("run_dir") or "", notebook.stem, runs_root)
+    resolved["run_dir"] = str(shared_dir)
     rank = process_rank()
     # Every rank works in the shared run folder; rank 0's report is the run report, the others
     # keep theirs under ranks/rank<k>/ (a failing rank's traceback is there).
     out_dir = shared_dir if rank == 0 else shared_dir / "ranks" / f"rank{rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = p.to_dict()
     (out_dir / "params.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     _write_json(out_dir / "env.json", collect_environment())
     status: dict[str, Any] = {
-        "run_id": shared_dir.name, "notebook": notebook.stem, "status": "running", "rank": rank,
+        "run_id": shared_dir.name,
+        "notebook": notebook.stem,
+        "status": "running",
+        "rank": rank,
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "param_files": [str(f) for f in param_files], "overrides": sorted((overrides or {}).keys()),
+        "param_files": [str(f) for f in param_files],
+        "overrides": sorted((overrides or {}).keys()),
     }
     _write_json(out_dir / STATUS, status)
     ipynb = out_dir / "report.ipynb"
@@ -193,8 +204,13 @@ def run_notebook(
     try:
         with redacted_cell_log():
             pm.execute_notebook(
-                str(notebook), str(ipynb), parameters=resolved, kernel_name=ensure_kernelspec(),
-                cwd=str(notebook.parent.resolve()), log_output=log_output, progress_bar=False,
+                str(notebook),
+                str(ipynb),
+                parameters=resolved,
+                kernel_name=ensure_kernelspec(),
+                cwd=str(notebook.parent.resolve()),
+                log_output=log_output,
+                progress_bar=False,
                 report_mode=False,
             )
     except pm.PapermillExecutionError as exc:
@@ -209,8 +225,11 @@ def run_notebook(
         status["status"] = "failed" if error is not None else "ok"
         if error is not None:
             cell = _failed_cell(ipynb) if ipynb.is_file() else None
-            status["failed_cell"] = cell or {"index": None, "ename": type(error).__name__,
-                                             "evalue": str(error)[:400]}
+            status["failed_cell"] = cell or {
+                "index": None,
+                "ename": type(error).__name__,
+                "evalue": str(error)[:400],
+            }
         summary = shared_dir / SUMMARY
         if summary.is_file():
             status["summary"] = json.loads(summary.read_text())
@@ -232,15 +251,26 @@ def list_runs(runs_root: str | Path = "runs") -> list[dict[str, Any]]:
             if not isinstance(s, dict):
                 raise ValueError(f"holds a {type(s).__name__}, not an object")
         except (OSError, ValueError) as err:  # listed, not dropped: the run folder is still there
-            rows.append({"id": status_file.parent.name, "notebook": "?", "status": "unreadable",
-                         "duration_s": None, "headline": f"{STATUS}: {str(err).splitlines()[0][:80]}"})
+            rows.append(
+                {
+                    "id": status_file.parent.name,
+                    "notebook": "?",
+                    "status": "unreadable",
+                    "duration_s": None,
+                    "headline": f"{STATUS}: {str(err).splitlines()[0][:80]}",
+                }
+            )
             continue
         summary = s.get("summary") if isinstance(s.get("summary"), dict) else {}
-        rows.append({
-            "id": s.get("run_id", status_file.parent.name), "notebook": s.get("notebook", "?"),
-            "status": s.get("status", "?"), "duration_s": s.get("duration_s"),
-            "headline": summary.get("headline", ""),
-        })
+        rows.append(
+            {
+                "id": s.get("run_id", status_file.parent.name),
+                "notebook": s.get("notebook", "?"),
+                "status": s.get("status", "?"),
+                "duration_s": s.get("duration_s"),
+                "headline": summary.get("headline", ""),
+            }
+        )
     return rows
 
 

@@ -25,7 +25,9 @@ class Verdict:
     status: str
     headline: str
     lines: list[str] = field(default_factory=list)
-    error: type[StepFailed] = StepFailed  # the exception finish() raises on fail (its name shows in `dsr1kit runs`)
+    error: type[StepFailed] = (
+        StepFailed  # the exception finish() raises on fail (its name shows in `dsr1kit runs`)
+    )
 
     def html(self) -> str:
         from .viz import verdict_html
@@ -51,8 +53,9 @@ def record(run_dir: str | Path, verdict: Verdict, **metrics: Any) -> None:
     """The verdict (and any last metrics) into the run's summary.json, where `dsr1kit runs` reads it."""
     from .report import record_summary
 
-    record_summary(run_dir, headline=verdict.headline, verdict=verdict.status, verdict_lines=verdict.lines,
-                   **metrics)
+    record_summary(
+        run_dir, headline=verdict.headline, verdict=verdict.status, verdict_lines=verdict.lines, **metrics
+    )
 
 
 def finish(verdict: Verdict) -> None:

@@ -5,11 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-STATUS_COLOURS = {"pass": "#d4edda", "warn": "#fff3cd", "fail": "#f8d7da", "ok": "#d4edda", "failed": "#f8d7da"}
+STATUS_COLOURS = {
+    "pass": "#d4edda",
+    "warn": "#fff3cd",
+    "fail": "#f8d7da",
+    "ok": "#d4edda",
+    "failed": "#f8d7da",
+}
 
 
 def colour_status(df, column: str = "status"):
     """A pandas Styler with each row tinted by its status (pass green, warn amber, fail red)."""
+
     def tint(row):
         colour = STATUS_COLOURS.get(str(row[column]).lower(), "")
         return [f"background-color: {colour}" if colour else ""] * len(row)
@@ -17,17 +24,20 @@ def colour_status(df, column: str = "status"):
     return df.style.apply(tint, axis=1).hide(axis="index")
 
 
-def params_table(p) -> Any:
+def params_table(values: dict[str, Any]) -> Any:
+    """A run's parameters, one row each, sorted by name."""
     import pandas as pd
 
-    return pd.DataFrame(sorted(p.to_dict().items()), columns=["parameter", "value"]).style.hide(axis="index")
+    return pd.DataFrame(sorted(values.items()), columns=["parameter", "value"]).style.hide(axis="index")
 
 
 def verdict_html(status: str, lines: list[str]) -> str:
     colour = STATUS_COLOURS.get(status, "#eeeeee")
     items = "".join(f"<li>{line}</li>" for line in lines)
-    return (f"<div style='background:{colour};padding:8px;border-radius:4px'>"
-            f"<b>Verdict: {status.upper()}</b><ul>{items}</ul></div>")
+    return (
+        f"<div style='background:{colour};padding:8px;border-radius:4px'>"
+        f"<b>Verdict: {status.upper()}</b><ul>{items}</ul></div>"
+    )
 
 
 def save_figure(fig, run_dir: str | Path, name: str) -> Path:
@@ -40,7 +50,9 @@ def save_figure(fig, run_dir: str | Path, name: str) -> Path:
 def kv_table(values: dict[str, Any], key: str = "item", value: str = "value"):
     import pandas as pd
 
-    return pd.DataFrame([(k, str(v)) for k, v in values.items()], columns=[key, value]).style.hide(axis="index")
+    return pd.DataFrame([(k, str(v)) for k, v in values.items()], columns=[key, value]).style.hide(
+        axis="index"
+    )
 
 
 def training_curves(history: list[dict[str, Any]]):
@@ -49,7 +61,9 @@ def training_curves(history: list[dict[str, Any]]):
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
     steps = [h["step"] for h in history]
-    for ax, key, title in zip(axes, ("loss", "ce", "kl", "lr"), ("loss", "CE (assistant tokens)", "KL to base", "learning rate")):
+    for ax, key, title in zip(
+        axes, ("loss", "ce", "kl", "lr"), ("loss", "CE (assistant tokens)", "KL to base", "learning rate")
+    ):
         ax.plot(steps, [h[key] for h in history], marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
@@ -66,11 +80,21 @@ def data_table(sources: list[dict[str, Any]], per_source: dict[str, dict[str, in
     for s in sources:
         key = f"{s['source']}@{s['split']}"
         c = per_source.get(key, {})
-        rows.append({"source": s["source"], "split": s["split"], "status": "pass" if s["status"] == "ok" else "warn",
-                     "rows read": s["rows"], "kept": c.get("kept", 0), "skipped": c.get("skipped", 0),
-                     "truncated": c.get("truncated", 0), "rows without reasoning": c.get("no_reasoning", 0),
-                     "trained tokens: reasoning": c.get("reasoning_tokens", 0),
-                     "trained tokens: answer": c.get("answer_tokens", 0), "reason": s["reason"]})
+        rows.append(
+            {
+                "source": s["source"],
+                "split": s["split"],
+                "status": "pass" if s["status"] == "ok" else "warn",
+                "rows read": s["rows"],
+                "kept": c.get("kept", 0),
+                "skipped": c.get("skipped", 0),
+                "truncated": c.get("truncated", 0),
+                "rows without reasoning": c.get("no_reasoning", 0),
+                "trained tokens: reasoning": c.get("reasoning_tokens", 0),
+                "trained tokens: answer": c.get("answer_tokens", 0),
+                "reason": s["reason"],
+            }
+        )
     return colour_status(pd.DataFrame(rows))
 
 
@@ -81,12 +105,17 @@ def labelled_example_html(example: dict[str, Any]) -> str:
     if not example:
         return "<p>(no example)</p>"
     span = "<span style='background:{};'>{}</span>"
-    body = (escape(example["prompt"]) + span.format("#d6e9ff", escape(example["before_reasoning"] + example["reasoning"]))
-            + span.format("#d4edda", escape(example["answer"])))
-    return (f"<p><b>{escape(example['source'])}</b>, row {escape(example['id'])}, rendered as "
-            f"<i>{escape(example['how'])}</i>: <span style='background:#d6e9ff'>trained reasoning</span>, "
-            f"<span style='background:#d4edda'>trained answer</span>, the rest is the served prompt (not trained)."
-            f"</p><pre style='white-space:pre-wrap'>{body}</pre>")
+    body = (
+        escape(example["prompt"])
+        + span.format("#d6e9ff", escape(example["before_reasoning"] + example["reasoning"]))
+        + span.format("#d4edda", escape(example["answer"]))
+    )
+    return (
+        f"<p><b>{escape(example['source'])}</b>, row {escape(example['id'])}, rendered as "
+        f"<i>{escape(example['how'])}</i>: <span style='background:#d6e9ff'>trained reasoning</span>, "
+        f"<span style='background:#d4edda'>trained answer</span>, the rest is the served prompt (not trained)."
+        f"</p><pre style='white-space:pre-wrap'>{body}</pre>"
+    )
 
 
 def bandwidth_figure(result: dict, expected_gbps: float = 0.0):
@@ -101,8 +130,16 @@ def bandwidth_figure(result: dict, expected_gbps: float = 0.0):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
     else:
-        ax.text(0.5, 0.5, result.get("error", "no measurement"), ha="center", va="center", wrap=True,
-                transform=ax.transAxes, fontsize=8)
+        ax.text(
+            0.5,
+            0.5,
+            result.get("error", "no measurement"),
+            ha="center",
+            va="center",
+            wrap=True,
+            transform=ax.transAxes,
+            fontsize=8,
+        )
     if expected_gbps > 0:
         ax.axhline(expected_gbps, color="tab:red", linestyle="--", label=f"expected {expected_gbps:g} GB/s")
     ax.set_xlabel("message size (MiB)")
@@ -120,10 +157,25 @@ def ray_table(state: dict, names: dict[str, str] | None = None):
     import pandas as pd
 
     names = names or {}
-    rows = [{"node": names.get(n["ip"], n["hostname"]), "ip": n["ip"], "role": "head" if n["head"] else "worker",
-             "CPUs": n["cpus"], "GPUs": n["gpus"]} for n in state.get("nodes", [])]
-    rows.append({"node": "total", "ip": state.get("address", ""), "role": f"{len(rows)} nodes",
-                 "CPUs": state.get("cpus", 0), "GPUs": state.get("gpus", 0)})
+    rows = [
+        {
+            "node": names.get(n["ip"], n["hostname"]),
+            "ip": n["ip"],
+            "role": "head" if n["head"] else "worker",
+            "CPUs": n["cpus"],
+            "GPUs": n["gpus"],
+        }
+        for n in state.get("nodes", [])
+    ]
+    rows.append(
+        {
+            "node": "total",
+            "ip": state.get("address", ""),
+            "role": f"{len(rows)} nodes",
+            "CPUs": state.get("cpus", 0),
+            "GPUs": state.get("gpus", 0),
+        }
+    )
     return pd.DataFrame(rows).style.hide(axis="index")
 
 

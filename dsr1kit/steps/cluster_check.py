@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster import checks
+from ..cluster.rank_check import RankCheckConfig
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
@@ -23,10 +24,15 @@ def environment_table() -> dict[str, Any]:
     from ..run.environment import collect_environment
 
     env = collect_environment()
-    return {"host": env["hostname"], "python": env["python"], "cpus": env["cpus"],
-            "cuda": env["accelerators"]["cuda_available"], "git": env["git"]["sha"],
-            "slurm job": env["slurm"].get("SLURM_JOB_ID", "-"),
-            **{f"pkg {k}": v or "-" for k, v in env["packages"].items()}}
+    return {
+        "host": env["hostname"],
+        "python": env["python"],
+        "cpus": env["cpus"],
+        "cuda": env["accelerators"]["cuda_available"],
+        "git": env["git"]["sha"],
+        "slurm job": env["slurm"].get("SLURM_JOB_ID", "-"),
+        **{f"pkg {k}": v or "-" for k, v in env["packages"].items()},
+    }
 
 
 @dataclass
@@ -46,12 +52,30 @@ class Ranks:
         return f"{len(self.rows)} ranks on {len(self.nodes)} nodes, from {self.folder}"
 
 
+def rank_check_config(p) -> RankCheckConfig:
+    """What each rank checks, from notebook 00's parameters (also for `dsr1kit rank-check`)."""
+    return RankCheckConfig(
+        expected_gpus_per_node=p.expected_gpus_per_node,
+        shm_min_free_gib=p.shm_min_free_gib,
+        scratch_dir=p.scratch_dir,
+        scratch_min_free_gib=p.scratch_min_free_gib,
+        allreduce_sizes_mib=tuple(p.allreduce_sizes_mib),
+        allreduce_timeout_s=p.allreduce_timeout_s,
+        expected_busbw_gbps=p.expected_busbw_gbps,
+        local_ranks=p.local_ranks,
+    )
+
+
 def gather_ranks(p, run_dir: Path) -> Ranks:
     """The per-rank rows written by srun, or those of `local_ranks` processes started here now."""
     from ..cluster import rank_check
     from ..run.paths import resolve
 
-    folder = resolve(p.rank_results_dir) if p.rank_results_dir else rank_check.run_local(p, run_dir / "ranks")
+    folder = (
+        resolve(p.rank_results_dir)
+        if p.rank_results_dir
+        else rank_check.run_local(rank_check_config(p), run_dir / "ranks")
+    )
     return Ranks(checks.load_ranks(folder), Path(folder))
 
 
@@ -62,8 +86,12 @@ def ray_check(p, ranks: Ranks) -> tuple[dict | None, list[checks.Row]]:
     from ..cluster import ray as cluster_ray
 
     state = cluster_ray.cluster_state(p.ray_address)
-    rows = cluster_ray.ray_rows(state, p.expected_nodes, p.ray_expected_gpus,
-                                expected=[(name, ip) for ip, name in ranks.node_ips.items()])
+    rows = cluster_ray.ray_rows(
+        state,
+        p.expected_nodes,
+        p.ray_expected_gpus,
+        expected=[(name, ip) for ip, name in ranks.node_ips.items()],
+    )
     return state, rows
 
 
@@ -83,7 +111,11 @@ def plans_text(plans) -> str:
 
 def check_rows(p, ranks: Ranks, ray_rows: list[checks.Row], plans) -> list[checks.Row]:
     """Every row of the report: the ranks' checks, Ray's, and one per memory plan."""
-    return checks.gathered_rows(ranks.rows, p.expected_nodes) + ray_rows + checks.plan_rows(plans, checks.node_name())
+    return (
+        checks.gathered_rows(ranks.rows, p.expected_nodes)
+        + ray_rows
+        + checks.plan_rows(plans, checks.node_name())
+    )
 
 
 def verdict(rows: list[checks.Row]) -> Verdict:

@@ -2,14 +2,14 @@
 
 A point is one HARI run (notebook 20's steps, with the sweep's λ and seed) in
 ``<run>/points/lambda<λ>-seed<s>/`` followed by its measurement
-(``dsr1kit.measure.forgetting``), written to ``result.json`` there. A point with a
+(``dsr1kit.measure.point``), written to ``result.json`` there. A point with a
 result is never redone, so a rerun or a Slurm job array
 (``slurm/forgetting_sweep.sh`` submits one point per task of a job array,
 then this notebook once to report) does only what is missing. The base
 model's accuracies are measured once (``base.json``) and shared by every
 point. With ``hari: {prefix_cache: auto}`` every point trains from one prefix
 cache (λ and seed are not part of its fingerprint); under a job array, fill
-it first (``python -m dsr1kit.train --prefix-only`` with the same settings)
+it first (``python -m dsr1kit train --prefix-only`` with the same settings)
 so that the array's tasks do not all build it at once.
 """
 
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..measure import forgetting
-from ..measure.forgetting import PointResult
+from ..measure import point as measure
+from ..measure.figures import frontier_figure, kl_figure  # noqa: F401 (the notebook's calls)
+from ..measure.sweep import PointResult, lambda_table, results_table, summary, sweep_verdict  # noqa: F401
 from . import StepFailed, Verdict
 
 
@@ -45,7 +46,8 @@ class Point:
 
 def points(p) -> list[Point]:
     """Every (λ, seed), λ-major; the index is the Slurm array task id."""
-    return [Point(i, lam, seed) for i, (lam, seed) in enumerate((lam, s) for lam in p.lambdas for s in p.seeds)]
+    pairs = ((lam, s) for lam in p.lambdas for s in p.seeds)
+    return [Point(i, lam, seed) for i, (lam, seed) in enumerate(pairs)]
 
 
 def point_dir(run_dir: str | Path, point: Point) -> Path:
@@ -56,22 +58,40 @@ def point_params(p, point: Point, run_dir: str | Path):
     """Notebook 20's parameters for one point: the sweep's shared settings, then this λ and seed."""
     from ..params import load
 
-    return load("20_hari_training", overrides={
-        **p.hari, "model": p.model, "dataset": p.task_b_train, "system_prompt": p.system_prompt,
-        "max_len": p.max_len, "lambda_kl": point.lambda_kl, "seed": point.seed,
-        "run_dir": str(point_dir(run_dir, point))})
+    return load(
+        "20_hari_training",
+        overrides={
+            **p.hari,
+            "model": p.model,
+            "dataset": p.task_b_train,
+            "system_prompt": p.system_prompt,
+            "max_len": p.max_len,
+            "lambda_kl": point.lambda_kl,
+            "seed": point.seed,
+            "run_dir": str(point_dir(run_dir, point)),
+        },
+    )
 
 
 def eval_rows(p) -> tuple[list[dict], list[dict]]:
     from ..data.plan import load_rows
 
-    return load_rows(p.task_a_eval, sample_limit=p.eval_limit).rows, load_rows(p.task_b_eval, sample_limit=p.eval_limit).rows
+    return (
+        load_rows(p.task_a_eval, sample_limit=p.eval_limit).rows,
+        load_rows(p.task_b_eval, sample_limit=p.eval_limit).rows,
+    )
 
 
 def plan_table(p, run_dir: str | Path) -> list[dict[str, Any]]:
-    return [{"point": pt.index, "lambda_kl": pt.lambda_kl, "seed": pt.seed,
-             "state": "done" if (point_dir(run_dir, pt) / "result.json").is_file() else "to run"}
-            for pt in points(p)]
+    return [
+        {
+            "point": pt.index,
+            "lambda_kl": pt.lambda_kl,
+            "seed": pt.seed,
+            "state": "done" if (point_dir(run_dir, pt) / "result.json").is_file() else "to run",
+        }
+        for pt in points(p)
+    ]
 
 
 def base_accuracy(p, run_dir: str | Path) -> tuple[float, float]:
@@ -80,19 +100,10 @@ def base_accuracy(p, run_dir: str | Path) -> tuple[float, float]:
     if path.is_file():
         saved = json.loads(path.read_text())
         return saved["acc_a"], saved["acc_b"]
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ..model.load import load_tokenizer
-    from ..embedded.tiny import resolve_model
-
     rows_a, rows_b = eval_rows(p)
-    tokenizer = load_tokenizer(resolve_model(p.model))
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(p.model), dtype=torch.float32)
-    acc = [forgetting.accuracy(forgetting.answer_matches(model, tokenizer, rows, p.system_prompt, p.max_len))
-           for rows in (rows_a, rows_b)]
+    acc = measure.base_accuracy(p.model, rows_a, rows_b, p.system_prompt, p.max_len)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".base.json.{os.getpid()}")  # array tasks may measure it at the same time: same numbers
+    tmp = path.with_name(f".base.json.{os.getpid()}")  # array tasks may measure it at once: same numbers
     tmp.write_text(json.dumps({"acc_a": acc[0], "acc_b": acc[1], "n_a": len(rows_a), "n_b": len(rows_b)}))
     tmp.replace(path)
     return acc[0], acc[1]
@@ -108,12 +119,22 @@ def run_point(p, point: Point, run_dir: str | Path) -> PointResult:
     base = base_accuracy(p, run_dir)
     info = run(point_params(p, point, run_dir))
     if info.get("preempted") or not info.get("adapter_dir"):
-        raise SweepFailed(f"point {point.name} stopped before its adapter was written (steps "
-                          f"{info.get('steps_done')} of {info.get('total_steps')}); rerun to resume it")
+        raise SweepFailed(
+            f"point {point.name} stopped before its adapter was written (steps "
+            f"{info.get('steps_done')} of {info.get('total_steps')}); rerun to resume it"
+        )
     rows_a, rows_b = eval_rows(p)
-    result = forgetting.evaluate_point(info["adapter_dir"], rows_a, rows_b, p.system_prompt,
-                                       lambda_kl=point.lambda_kl, seed=point.seed, max_len=p.max_len,
-                                       kl_span=p.kl_span, base_acc=base)
+    result = measure.evaluate_point(
+        info["adapter_dir"],
+        rows_a,
+        rows_b,
+        p.system_prompt,
+        lambda_kl=point.lambda_kl,
+        seed=point.seed,
+        max_len=p.max_len,
+        kl_span=p.kl_span,
+        base_acc=base,
+    )
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result.to_dict(), indent=1))
     tmp.replace(out)
@@ -127,42 +148,15 @@ def run_missing(p, run_dir: str | Path) -> list[PointResult]:
     return [run_point(p, pt, run_dir) for pt in tqdm(points(p), desc="sweep points", mininterval=2)]
 
 
-def results_table(results: list[PointResult]) -> list[dict[str, Any]]:
-    return [{"lambda_kl": r.lambda_kl, "seed": r.seed, "acc_b": round(r.acc_b, 4), "b_gain": round(r.b_gain, 4),
-             "acc_a": round(r.acc_a, 4), "a_drop": round(r.a_drop, 4), "kl_a": r.kl_a, "kl_b": r.kl_b}
-            for r in results]
-
-
-def lambda_table(results: list[PointResult]) -> list[dict[str, Any]]:
-    return [{"lambda_kl": s.lambda_kl, "runs": s.n,
-             "B gain": f"{s.b_gain_mean:+.3f} ± {s.b_gain_std:.3f}", "A drop": f"{s.a_drop_mean:+.3f} ± {s.a_drop_std:.3f}",
-             "KL on A": f"{s.kl_a_mean:.2e}", "KL on B": f"{s.kl_b_mean:.2e}"} for s in forgetting.by_lambda(results)]
-
-
-def summary(results: list[PointResult]) -> dict[str, Any]:
-    """What summary.json keeps: every point and the per-λ means (recomputable from the points' result.json)."""
-    fit = forgetting.fit_line([r.kl_a for r in results], [r.a_drop for r in results])
-    return {"points": [r.to_dict() for r in results],
-            "by_lambda": [s.to_dict() for s in forgetting.by_lambda(results)],
-            "forgetting_vs_kl": {"slope": fit.slope, "intercept": fit.intercept, "r2": fit.r2}}
-
-
-def frontier_figure(results: list[PointResult]):
-    return forgetting.frontier_figure(results)
-
-
-def kl_figure(results: list[PointResult]):
-    return forgetting.kl_figure(results)
-
-
 def verdict(results: list[PointResult]) -> Verdict:
-    v = forgetting.sweep_verdict(results)
+    """The sweep's verdict (``measure.sweep.sweep_verdict``); no λ = 0 or no λ > 0 fails the run."""
+    v = sweep_verdict(results)
     return Verdict(v.status, v.headline, v.lines, SweepFailed)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dsr1kit.steps.forgetting_sweep -f PARAMS --run-dir DIR --point N`: one point (a job array task);
-    `--count` prints the number of points (the array's size) and runs nothing."""
+    """`python -m dsr1kit.steps.forgetting_sweep -f PARAMS --run-dir DIR --point N`: one point (a job array
+    task); `--count` prints the number of points (the array's size) and runs nothing."""
     from ..params import ParamsError, load, parse_override
 
     ap = argparse.ArgumentParser(prog="python -m dsr1kit.steps.forgetting_sweep", description=main.__doc__)
@@ -174,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--count", action="store_true")
     args = ap.parse_args(argv)
     try:
-        p = load("40_forgetting_sweep", args.params_file,
-                 {**{k: parse_override(v) for k, v in args.param}, "run_dir": args.run_dir})
+        p = load(
+            "40_forgetting_sweep",
+            args.params_file,
+            {**{k: parse_override(v) for k, v in args.param}, "run_dir": args.run_dir},
+        )
     except ParamsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -187,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --point needs --run-dir (the sweep's run folder)", file=sys.stderr)
         return 2
     if not 0 <= args.point < len(todo):
-        print(f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",
-              file=sys.stderr)
+        print(
+            f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",
+            file=sys.stderr,
+        )
         return 2
     result = run_point(p, todo[args.point], args.run_dir)
     print(json.dumps(result.to_dict()))

@@ -1,7 +1,7 @@
 """Notebook 20, HARI end to end: plan → data → model + LoRA → train → outputs → verdict.
 
 Each step is a function the notebook calls (and tables/plots its result);
-``run`` chains them for ``python -m dsr1kit.train`` and the tests.
+``run`` chains them for ``python -m dsr1kit train`` and the tests.
 Rank 0 writes; every rank computes.
 """
 
@@ -20,11 +20,12 @@ import torch
 
 from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
-from ..model.load import LoadedModel, load_model
-from ..model.lora import LoraPlan, apply_lora, first_adapted_layer, lora_summary
+from ..model.load import LoadConfig, LoadedModel, load_model
+from ..model.lora import LoraConfig, LoraPlan, apply_lora, first_adapted_layer, lora_summary
 from ..plan import Machine, Plan, TrainingInputs, hari_plan, prefix_pass_plan
 from ..train import dist, prefix
-from ..train.loop import TrainResult, train
+from ..train.hari import HariLoss
+from ..train.loop import TrainConfig, TrainResult, train
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
@@ -54,17 +55,25 @@ class PrefixCacheReady:
 
     def table(self) -> dict[str, Any]:
         d = self.cache.describe()
-        out = {"folder": d["folder"], "samples": d["samples"], "tokens": f"{d['tokens']:,}",
-               "shards": d["shards"], "size": f"{d['size_gib']:.3f} GiB ({d['bytes_per_token']:,} B per token, "
-                                                f"{d['dtype']})",
-               "first adapted layer": d["first_adapted_layer"],
-               "this run": ("built " + f"{self.built_here['shards_built']} shard(s), reused "
-                            f"{self.built_here['shards_reused']}" if self.built_here and self.built_here["shards_built"]
-                            else "cache hit: every shard reused")}
+        out = {
+            "folder": d["folder"],
+            "samples": d["samples"],
+            "tokens": f"{d['tokens']:,}",
+            "shards": d["shards"],
+            "size": f"{d['size_gib']:.3f} GiB ({d['bytes_per_token']:,} B per token, {d['dtype']})",
+            "first adapted layer": d["first_adapted_layer"],
+            "this run": (
+                "built " + f"{self.built_here['shards_built']} shard(s), reused "
+                f"{self.built_here['shards_reused']}"
+                if self.built_here and self.built_here["shards_built"]
+                else "cache hit: every shard reused"
+            ),
+        }
         for row in self.passes:
             out[f"pass, task {row['task']} ({row['host']})"] = (
                 f"{row['shards_built']} shard(s), {row['tokens_built']:,} tokens in {row['seconds']:.1f} s: "
-                f"{row['tokens_per_s']:,.0f} tokens/s")
+                f"{row['tokens_per_s']:,.0f} tokens/s"
+            )
         return out
 
 
@@ -80,9 +89,11 @@ class Prepared:
     def model_table(self) -> dict[str, Any]:
         """Quantization, placement, memory and exactly which modules carry adapters."""
         lora = lora_summary(self.model, self.plan)
-        return {**{k: v for k, v in self.loaded.info.items() if k != "path"},
-                "adapted modules": ", ".join(lora["modules"]),
-                "trainable parameters": f"{lora['trainable_params']:,} ({lora['trainable_share']:.4%})"}
+        return {
+            **{k: v for k, v in self.loaded.info.items() if k != "path"},
+            "adapted modules": ", ".join(lora["modules"]),
+            "trainable parameters": f"{lora['trainable_params']:,} ({lora['trainable_share']:.4%})",
+        }
 
 
 def setup_dist() -> dist.DistInfo:
@@ -91,8 +102,8 @@ def setup_dist() -> dist.DistInfo:
 
 def load_tokenizer(p):
     """The model's tokenizer, loaded once: the data is encoded with it and the model load reuses it."""
-    from ..model.load import load_tokenizer as load
     from ..embedded.tiny import resolve_model
+    from ..model.load import load_tokenizer as load
 
     return load(resolve_model(p.model), p.trust_remote_code)
 
@@ -101,19 +112,111 @@ def prepare_data(p, tokenizer) -> TrainingData:
     loaded = load_rows(p.dataset, p.splits, p.sample_limit)
     encoded = encode_rows(tokenizer, loaded.rows, p.max_len, p.system_prompt)
     if not encoded.examples:
-        raise ValueError(f"no trainable example: {encoded.skipped} rows lacked a question or answer and "
-                         f"{encoded.no_target} lost every assistant token to max_len={p.max_len}")
+        raise ValueError(
+            f"no trainable example: {encoded.skipped} rows lacked a question or answer and "
+            f"{encoded.no_target} lost every assistant token to max_len={p.max_len}"
+        )
     return TrainingData(encoded, [asdict(r) for r in loaded.report])
+
+
+def load_config(p) -> LoadConfig:
+    """How notebook 20 loads the model (the whole of it, or from the cache only the adapted layers)."""
+    return LoadConfig(
+        model=p.model,
+        dtype=p.dtype,
+        quantization=p.quantization,
+        quantize_experts=p.quantize_experts,
+        device_map=p.device_map,
+        trust_remote_code=p.trust_remote_code,
+        grad_checkpointing=p.grad_checkpointing,
+        offload_dir=p.offload_dir,
+        max_memory_gib_per_gpu=p.max_memory_gib_per_gpu,
+        cpu_max_memory_gib=p.cpu_max_memory_gib,
+        cached_layers_nf4=p.cached_layers_nf4,
+    )
+
+
+def lora_config(p) -> LoraConfig:
+    return LoraConfig(
+        r=p.lora_r,
+        alpha=p.lora_alpha,
+        dropout=p.lora_dropout,
+        last_k_layers=p.lora_last_k_layers,
+        targets=tuple(p.lora_targets),
+    )
+
+
+def loss_config(p) -> HariLoss:
+    return HariLoss(
+        lambda_kl=p.lambda_kl,
+        kl_temperature=p.kl_temperature,
+        kl_tokens=p.kl_tokens,
+        loss_chunk=p.loss_chunk,
+        impl=p.hari_impl,
+    )
+
+
+def train_config(p) -> TrainConfig:
+    """The loop's settings; ``settings`` (every parameter) is what a resumed run is checked against."""
+    return TrainConfig(
+        batch_size=p.batch_size,
+        grad_accum=p.grad_accum,
+        epochs=p.epochs,
+        max_steps=p.max_steps,
+        lr=p.lr,
+        warmup_ratio=p.warmup_ratio,
+        clip_norm=p.clip_norm,
+        log_every=p.log_every,
+        save_every=p.save_every,
+        seed=p.seed,
+        resume=p.resume,
+        loss=loss_config(p),
+        settings=p.to_dict(),
+    )
+
+
+def prefix_config(p) -> prefix.PrefixConfig:
+    """What the prefix cache's fingerprint reads of the parameters."""
+    return prefix.PrefixConfig(
+        dataset=p.dataset,
+        splits=tuple(p.splits),
+        sample_limit=p.sample_limit,
+        system_prompt=p.system_prompt,
+        max_len=p.max_len,
+        dtype=p.dtype,
+        quantization=p.quantization,
+        quantize_experts=p.quantize_experts,
+    )
+
+
+def fill_config(p) -> prefix.FillConfig:
+    return prefix.FillConfig(
+        folder=p.prefix_cache,
+        tokens_per_batch=p.prefix_tokens_per_batch,
+        shard_mib=p.prefix_shard_mib,
+        pipeline=p.prefix_pipeline,
+    )
 
 
 def plan_inputs(p) -> TrainingInputs:
     """What the planners read of notebook 20's parameters."""
     return TrainingInputs(
-        model=p.model, trust_remote_code=p.trust_remote_code, dtype=p.dtype, quantization=p.quantization,
-        quantize_experts=p.quantize_experts, device_map=p.device_map, batch_size=p.batch_size, max_len=p.max_len,
-        loss_chunk=p.loss_chunk, lora_r=p.lora_r, lora_last_k_layers=p.lora_last_k_layers,
-        lora_targets=tuple(p.lora_targets), from_prefix_cache=p.prefix_cache != "off",
-        cached_layers_nf4=p.cached_layers_nf4, prefix_tokens_per_batch=p.prefix_tokens_per_batch)
+        model=p.model,
+        trust_remote_code=p.trust_remote_code,
+        dtype=p.dtype,
+        quantization=p.quantization,
+        quantize_experts=p.quantize_experts,
+        device_map=p.device_map,
+        batch_size=p.batch_size,
+        max_len=p.max_len,
+        loss_chunk=p.loss_chunk,
+        lora_r=p.lora_r,
+        lora_last_k_layers=p.lora_last_k_layers,
+        lora_targets=tuple(p.lora_targets),
+        from_prefix_cache=p.prefix_cache != "off",
+        cached_layers_nf4=p.cached_layers_nf4,
+        prefix_tokens_per_batch=p.prefix_tokens_per_batch,
+    )
 
 
 def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
@@ -133,70 +236,26 @@ def first_layer_of(p) -> int:
     return n - p.lora_last_k_layers
 
 
-def prefix_cache_folder(p, fp: dict[str, str]) -> Path:
-    """auto: one folder per fingerprint under the kit's cache (DSR1KIT_CACHE), so runs on the same inputs share it."""
-    from ..embedded.tiny import cache_root
-
-    from ..run.paths import PROJECT_ROOT
-
-    if p.prefix_cache == "auto":
-        return cache_root() / "prefix" / prefix.fingerprint_id(fp)
-    folder = Path(p.prefix_cache).expanduser()
-    return folder if folder.is_absolute() else PROJECT_ROOT / folder  # papermill runs in notebooks/: one meaning
-
-
-def fill_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> tuple[Path, dict[str, str], dict | None]:
-    """This task's missing shards (task = rank, shard i to task i % world): the full model is loaded only when
-    one is missing, after the prefix pass's memory plan says it fits. Returns (folder, fingerprint, stats)."""
-    import gc
-    import socket
-
-    from ..model.load import local_checkpoint
-    from ..plan.inventory import resolve_config
-
+def fill_prefix_cache(
+    p, info: dist.DistInfo, data: TrainingData, tokenizer
+) -> tuple[Path, dict[str, str], dict | None]:
+    """This task's missing shards; the full model is loaded only when one is missing, after the prefix pass's
+    memory plan says it fits. Returns (folder, fingerprint, stats)."""
     first = first_layer_of(p)
-    examples = data.encoded.examples
-    fp = prefix.fingerprint(p, local_checkpoint(p.model), tokenizer, examples, first)
-    folder = prefix_cache_folder(p, fp)
-    hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
-    layout = prefix.prepare_layout(folder, fp, examples, hidden, p.dtype, p.prefix_tokens_per_batch, p.prefix_shard_mib)
-    mine = [s for k, s in enumerate(layout.shards) if k % info.world_size == info.rank]
-    missing = prefix.missing_shards(folder, layout)
-    if torch.cuda.is_available() and dist.any_rank(bool(missing) and info.local_rank > 0):
-        raise prefix.PrefixCacheError(
-            f"{folder} misses {len(missing)} of {len(layout.shards)} shards, and this job runs several ranks per node: "
-            f"each would load the whole model to fill its share. Fill it first with one task per node "
-            f"(slurm/hari_prefix.sbatch, or slurm/hari_cached.sh which chains both jobs)")
-    if all((folder / s.file).is_file() for s in mine):
-        return folder, fp, None
-    prefix.check_disk(folder, layout, missing)  # every task's share: they may all write to this one disk
-    prefix_pass_plan(plan_inputs(p), Machine.detect()).check()
-    loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
-    failed = folder / f"failed-task{info.rank}"
-    failed.unlink(missing_ok=True)
-    try:
-        stats = prefix.build(loaded.model, examples, folder, layout, first, tokenizer.pad_token_id, task=info.rank,
-                             tasks=info.world_size, pipeline=p.prefix_pipeline, progress=info.is_main)
-    except BaseException as err:
-        failed.write_text(f"{type(err).__name__}: {err}\n")  # ranks waiting for this share stop instead of hanging
-        raise
-    finally:
-        del loaded
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    row = {**stats.to_dict(), "task": info.rank, "tasks": info.world_size, "host": socket.gethostname(),
-           "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    with (folder / f"passes-task{info.rank}.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    return folder, fp, row
 
+    def check_plan() -> None:
+        prefix_pass_plan(plan_inputs(p), Machine.detect()).check()
 
-def prefix_passes(folder: Path) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted(folder.glob("passes-task*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("shards_built")]
+    return prefix.fill_prefix_cache(
+        fill_config(p),
+        load_config(p),
+        prefix_config(p),
+        info,
+        data.encoded.examples,
+        tokenizer,
+        first,
+        check_plan,
+    )
 
 
 def prefix_only(p) -> dict[str, Any]:
@@ -206,8 +265,12 @@ def prefix_only(p) -> dict[str, Any]:
     info = dist.from_env()
     tokenizer = load_tokenizer(p)
     folder, _, built = fill_prefix_cache(p, info, prepare_data(p, tokenizer), tokenizer)
-    return {"folder": str(folder), "task": info.rank, "tasks": info.world_size,
-            "built": built or "nothing missing for this task"}
+    return {
+        "folder": str(folder),
+        "task": info.rank,
+        "tasks": info.world_size,
+        "built": built or "nothing missing for this task",
+    }
 
 
 def check_prefix_cache(p) -> dict[str, Any]:
@@ -217,13 +280,14 @@ def check_prefix_cache(p) -> dict[str, Any]:
     if p.prefix_cache == "off":
         raise prefix.PrefixCacheError(
             "prefix_cache is off: training one process per GPU needs a prefix cache. Pass the prefix job's "
-            "-p prefix_cache (auto or a folder), or train with slurm/hari_train.sbatch (one process per node)")
-    from ..model.load import local_checkpoint
-
+            "-p prefix_cache (auto or a folder), or train with slurm/hari_train.sbatch (one process per node)"
+        )
     tokenizer = load_tokenizer(p)
     examples = prepare_data(p, tokenizer).encoded.examples
-    fp = prefix.fingerprint(p, local_checkpoint(p.model), tokenizer, examples, first_layer_of(p))
-    return prefix.PrefixCache(prefix_cache_folder(p, fp), fp).describe()
+    folder, fp = prefix.locate(
+        p.prefix_cache, prefix_config(p), p.model, tokenizer, examples, first_layer_of(p)
+    )
+    return prefix.PrefixCache(folder, fp).describe()
 
 
 def open_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> PrefixCacheReady | None:
@@ -232,21 +296,8 @@ def open_prefix_cache(p, info: dist.DistInfo, data: TrainingData, tokenizer) -> 
     if p.prefix_cache == "off":
         return None
     folder, fp, built = fill_prefix_cache(p, info, data, tokenizer)
-    wait_for_shards(folder)
-    return PrefixCacheReady(prefix.PrefixCache(folder, fp), built, prefix_passes(folder))
-
-
-def wait_for_shards(folder: Path, poll_s: float = 2.0) -> None:
-    """Until every task's shards exist (the pass can outlast a collective's timeout, so no barrier), or a task
-    reports that its share failed."""
-    layout = prefix.CacheLayout.read(folder)
-    since = time.time() - 60  # a marker older than this wait is from an earlier job; its task is redoing its share
-    while prefix.missing_shards(folder, layout):
-        failed = sorted(f for f in folder.glob("failed-task*") if f.stat().st_mtime >= since)
-        if failed:
-            raise prefix.PrefixCacheError(f"the prefix pass failed on {failed[0].name.removeprefix('failed-')}: "
-                                          f"{failed[0].read_text().strip()} (see that rank's log)")
-        time.sleep(poll_s)
+    prefix.wait_for_shards(folder)
+    return PrefixCacheReady(prefix.PrefixCache(folder, fp), built, prefix.prefix_passes(folder))
 
 
 def prefix_table(cache: PrefixCacheReady | None) -> dict[str, Any]:
@@ -255,20 +306,30 @@ def prefix_table(cache: PrefixCacheReady | None) -> dict[str, Any]:
     return cache.table()
 
 
-def prepare_model(p, info: dist.DistInfo, data: TrainingData, plan=None, tokenizer=None,
-                  cache: PrefixCacheReady | None = None) -> Prepared:
+def prepare_model(
+    p,
+    info: dist.DistInfo,
+    data: TrainingData,
+    plan=None,
+    tokenizer=None,
+    cache: PrefixCacheReady | None = None,
+) -> Prepared:
     """Load + LoRA, after the memory plan says it fits (PlanError with the table and what to change if not).
     From a prefix cache, only the adapted layers, norm and lm_head are loaded, on this rank's own device."""
     (plan or memory_plan(p)[0]).check()
     if cache is not None:
         from ..model.load import load_adapted
 
-        loaded = load_adapted(p, int(cache.cache.layout.fingerprint["first_adapted_layer"]), info.local_rank,
-                              tokenizer)
+        loaded = load_adapted(
+            load_config(p),
+            int(cache.cache.layout.fingerprint["first_adapted_layer"]),
+            info.local_rank,
+            tokenizer,
+        )
     else:
-        loaded = load_model(p, rank=info.rank, tokenizer=tokenizer)
+        loaded = load_model(load_config(p), rank=info.rank, tokenizer=tokenizer)
     torch.manual_seed(p.seed)  # identical LoRA init on every rank
-    model, lora_plan = apply_lora(loaded.model, p)
+    model, lora_plan = apply_lora(loaded.model, lora_config(p))
     return Prepared(loaded, model, lora_plan, data, info, cache)
 
 
@@ -276,12 +337,22 @@ def prepare(p) -> Prepared:
     info = setup_dist()
     tokenizer = load_tokenizer(p)
     data = prepare_data(p, tokenizer)
-    return prepare_model(p, info, data, tokenizer=tokenizer, cache=open_prefix_cache(p, info, data, tokenizer))
+    return prepare_model(
+        p, info, data, tokenizer=tokenizer, cache=open_prefix_cache(p, info, data, tokenizer)
+    )
 
 
 def run_training(prep: Prepared, p) -> TrainResult:
-    return train(prep.model, prep.loaded.tokenizer, prep.data.encoded.examples, p, p.run_dir,
-                 first_adapted_layer(prep.plan), prep.info, prefix=prep.prefix.cache if prep.prefix else None)
+    return train(
+        prep.model,
+        prep.loaded.tokenizer,
+        prep.data.encoded.examples,
+        train_config(p),
+        p.run_dir,
+        first_adapted_layer(prep.plan),
+        prep.info,
+        prefix=prep.prefix.cache if prep.prefix else None,
+    )
 
 
 def _slug(text: str) -> str:
@@ -307,16 +378,37 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
     info = {
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "name": f"{_slug(p.dataset)}-n{len(data.examples)}",
-        "dataset": p.dataset, "sources": prep.data.sources, "samples": len(data.examples),
-        "skipped_rows": data.skipped, "truncated": data.truncated, "no_target": data.no_target,
-        "epochs": p.epochs, "batch_size": p.batch_size, "grad_accum": p.grad_accum, "max_len": p.max_len,
-        "world_size": prep.info.world_size, "hosts": hosts, "rank_digests": digests,
-        "ranks_agree": len(set(digests)) == 1, "steps_done": result.steps_done, "optimizer": result.optimizer,
-        "total_steps": result.total_steps, "preempted": result.preempted, "resumed_from": result.resumed_from,
-        "wall_s": round(time.monotonic() - started, 1), "lora": lora_summary(prep.model, prep.plan),
+        "dataset": p.dataset,
+        "sources": prep.data.sources,
+        "samples": len(data.examples),
+        "skipped_rows": data.skipped,
+        "truncated": data.truncated,
+        "no_target": data.no_target,
+        "epochs": p.epochs,
+        "batch_size": p.batch_size,
+        "grad_accum": p.grad_accum,
+        "max_len": p.max_len,
+        "world_size": prep.info.world_size,
+        "hosts": hosts,
+        "rank_digests": digests,
+        "ranks_agree": len(set(digests)) == 1,
+        "steps_done": result.steps_done,
+        "optimizer": result.optimizer,
+        "total_steps": result.total_steps,
+        "preempted": result.preempted,
+        "resumed_from": result.resumed_from,
+        "wall_s": round(time.monotonic() - started, 1),
+        "lora": lora_summary(prep.model, prep.plan),
         "model": prep.loaded.info,
-        "prefix_cache": ({**prep.prefix.cache.describe(), "built_here": prep.prefix.built_here,
-                          "passes": prep.prefix.passes} if prep.prefix else None),
+        "prefix_cache": (
+            {
+                **prep.prefix.cache.describe(),
+                "built_here": prep.prefix.built_here,
+                "passes": prep.prefix.passes,
+            }
+            if prep.prefix
+            else None
+        ),
     }
     dist.barrier()
     if prep.info.is_main and not result.preempted:
@@ -332,8 +424,13 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
 
 def lora_b_norms(model) -> dict[str, float]:
     """‖lora_B‖ per adapted module: non-zero is the recipe's proof that it learned."""
-    return {n.removeprefix("base_model.model.").removesuffix(".lora_B.default.weight"): float(q.detach().float().norm())
-            for n, q in model.named_parameters() if "lora_B" in n}
+    return {
+        n.removeprefix("base_model.model.").removesuffix(".lora_B.default.weight"): float(
+            q.detach().float().norm()
+        )
+        for n, q in model.named_parameters()
+        if "lora_B" in n
+    }
 
 
 def run(p) -> dict[str, Any]:
@@ -362,28 +459,35 @@ def check_resume(p):
     return checkpoint.check_resumable(p.run_dir, p.to_dict()) if p.resume else None
 
 
-def verdict(result: TrainResult, prep: Prepared, outputs: dict[str, Any], history: list[dict[str, Any]]) -> Verdict:
+def verdict(
+    result: TrainResult, prep: Prepared, outputs: dict[str, Any], history: list[dict[str, Any]]
+) -> Verdict:
     """ok when every step ran, every adapted module's lora_B is non-zero and the adapter was written."""
     norms = lora_b_norms(prep.model)
     zero = [m for m, v in norms.items() if v == 0.0]
-    steps_line = (f"steps done: {result.steps_done} of {result.total_steps}"
-                  + (f" (resumed from step {result.resumed_from})" if result.resumed_from else ""))
+    steps_line = f"steps done: {result.steps_done} of {result.total_steps}" + (
+        f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+    )
     lines = [steps_line]
     if history:
-        headline = (f"loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f} (CE {history[0]['ce']:.4f} → "
-                    f"{history[-1]['ce']:.4f}, KL {history[-1]['kl']:.2e} at the end)")
+        headline = (
+            f"loss {history[0]['loss']:.4f} → {history[-1]['loss']:.4f} (CE {history[0]['ce']:.4f} → "
+            f"{history[-1]['ce']:.4f}, KL {history[-1]['kl']:.2e} at the end)"
+        )
     else:
         headline, lines = steps_line, []
     lines += [f"‖lora_B‖ {m}: {v:.3e}" for m, v in norms.items()]
     if history:
         rates = [row["tokens_per_s"] for row in history if row.get("tokens_per_s")]
         where = "from the prefix cache" if prep.prefix else "whole model"
-        lines.append(f"training throughput ({where}): {sum(rates) / max(len(rates), 1):,.0f} tokens/s per rank "
-                     f"× {prep.info.world_size} rank(s)")
+        lines.append(
+            f"training throughput ({where}): {sum(rates) / max(len(rates), 1):,.0f} tokens/s per rank "
+            f"× {prep.info.world_size} rank(s)"
+        )
     if prep.prefix:
         passes = prep.prefix.passes
-        rate = (f"; prefix pass {sum(r['tokens_built'] for r in passes) / max(sum(r['seconds'] for r in passes), 1e-9):,.0f}"
-                f" tokens/s per task" if passes else "")
+        pass_rate = sum(r["tokens_built"] for r in passes) / max(sum(r["seconds"] for r in passes), 1e-9)
+        rate = f"; prefix pass {pass_rate:,.0f} tokens/s per task" if passes else ""
         hit = "built now" if prep.prefix.built_here and prep.prefix.built_here["shards_built"] else "reused"
         lines.append(f"prefix cache {hit}: {prep.prefix.cache.directory}{rate}")
 
@@ -396,7 +500,9 @@ def verdict(result: TrainResult, prep: Prepared, outputs: dict[str, Any], histor
         return done(FAIL, f"ranks ended with different adapters: {outputs.get('rank_digests')}")
     if zero:
         return done(FAIL, f"lora_B is still zero in {zero}: nothing was learned there (raise lr or steps)")
-    return done(OK if result.steps_done == result.total_steps else FAIL, f"adapter: {outputs.get('adapter_dir')}")
+    return done(
+        OK if result.steps_done == result.total_steps else FAIL, f"adapter: {outputs.get('adapter_dir')}"
+    )
 
 
 def close() -> None:

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from ..plan import Machine, Plan
 
-PLANNED = {"10_vllm_inference": "vllm_inference", "20_hari_training": "hari_training",
-           "30_adapter_inspection": "adapter_inspection"}
+PLANNED = {
+    "10_vllm_inference": "vllm_inference",
+    "20_hari_training": "hari_training",
+    "30_adapter_inspection": "adapter_inspection",
+}
 
 
 def plans_for(notebook: str, p, machine: Machine) -> list[Plan]:

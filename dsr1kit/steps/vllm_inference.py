@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..infer import evaluate
-from ..infer.client import read_answers
+from ..infer.client import ClientConfig, read_answers
+from ..infer.server import ServerSpec, VLLMServer
 from ..plan import Machine, Plan, ServingInputs, reference_plan, serve_plan
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
@@ -16,11 +17,72 @@ from . import FAIL, OK, WARN, StepFailed, Verdict
 def plan_inputs(p) -> ServingInputs:
     """What the serving planner reads of notebook 10's parameters."""
     return ServingInputs(
-        dtype=p.dtype, tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-        data_parallel_size=p.data_parallel_size, gpu_memory_utilization=p.gpu_memory_utilization,
-        max_model_len=p.max_model_len, max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+        dtype=p.dtype,
+        tensor_parallel_size=p.tensor_parallel_size,
+        pipeline_parallel_size=p.pipeline_parallel_size,
+        data_parallel_size=p.data_parallel_size,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        max_model_len=p.max_model_len,
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
         enforce_eager=p.enforce_eager,
-        cpu_kv_cache_gib=float(p.server_env.get("VLLM_CPU_KVCACHE_SPACE", 4)))
+        cpu_kv_cache_gib=float(p.server_env.get("VLLM_CPU_KVCACHE_SPACE", 4)),
+    )
+
+
+def server_spec(
+    p, model_path: str, lora_modules: dict[str, str] | None = None, max_lora_rank: int | None = None
+) -> ServerSpec:
+    """The server command notebook 10's parameters give for ``model_path`` (port 0: a free one), serving
+    ``lora_modules`` (name -> adapter folder) up to rank ``max_lora_rank`` (default: the parameter)."""
+    from ..cluster.rendezvous import free_port
+
+    return ServerSpec(
+        model=model_path,
+        port=p.port or free_port(),
+        served_model_name=p.served_model_name,
+        host=p.host,
+        tensor_parallel_size=p.tensor_parallel_size,
+        pipeline_parallel_size=p.pipeline_parallel_size,
+        data_parallel_size=p.data_parallel_size,
+        enable_expert_parallel=p.enable_expert_parallel,
+        distributed_executor_backend=p.distributed_executor_backend,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        max_model_len=p.max_model_len,
+        dtype=p.dtype,
+        enforce_eager=p.enforce_eager,
+        seed=p.seed,
+        lora_modules=dict(lora_modules or {}),
+        max_lora_rank=p.max_lora_rank if max_lora_rank is None else max_lora_rank,
+        extra_args=tuple(p.extra_args),
+        env=dict(p.server_env),
+    )
+
+
+def server(
+    p,
+    run_dir: str | Path,
+    model_path: str,
+    lora_modules: dict[str, str] | None = None,
+    name: str = "server",
+    max_lora_rank: int | None = None,
+) -> VLLMServer:
+    """A server of ``server_spec`` with its log (and pid file) at ``run_dir/logs/<name>.log``; not started."""
+    spec = server_spec(p, model_path, lora_modules, max_lora_rank)
+    return VLLMServer(spec, Path(run_dir) / "logs" / f"{name}.log", p.ready_timeout_s)
+
+
+def client_config(p) -> ClientConfig:
+    """How the evaluation asks the server (``concurrency`` 0: enough requests to keep the engine's batch full)."""
+    return ClientConfig(
+        concurrency=p.client_concurrency,
+        timeout_s=p.request_timeout_s,
+        retries=p.retries,
+        max_tokens=p.max_new_tokens,
+        temperature=p.temperature,
+    )
 
 
 def memory_plan(p, machine: Machine | None = None, model_path: str | None = None) -> list[Plan]:
@@ -38,8 +100,8 @@ def memory_plan(p, machine: Machine | None = None, model_path: str | None = None
 
 def load_model_and_tokenizer(model: str):
     """(local model path or hub name, tokenizer); 'tiny' builds the embedded model once."""
-    from ..model.load import load_tokenizer
     from ..embedded.tiny import resolve_model
+    from ..model.load import load_tokenizer
 
     path = resolve_model(model)
     return path, load_tokenizer(path)
@@ -72,8 +134,12 @@ class Prompts:
         return "\n".join(lines)
 
     def summary(self) -> dict[str, Any]:
-        return {"n_total": self.context.total, "n_scored": len(self.kept), "served_prompt_example": self.served_example,
-                "excluded_ids": [e["id"] for e in self.context.excluded]}
+        return {
+            "n_total": self.context.total,
+            "n_scored": len(self.kept),
+            "served_prompt_example": self.served_example,
+            "excluded_ids": [e["id"] for e in self.context.excluded],
+        }
 
 
 def prepare_prompts(p, tokenizer) -> Prompts:
@@ -113,10 +179,14 @@ class ServedEval:
         self.server = None
         self.phases: dict[str, dict[str, float]] = {}
         self.parity = None
-        self.parity_note = "no adapter" if not adapter else f"adapter_mode={p.adapter_mode} (merged copy is served)"
+        self.parity_note = (
+            "no adapter" if not adapter else f"adapter_mode={p.adapter_mode} (merged copy is served)"
+        )
         self.samples = None  # served-reference parity: the LoRA server's half, finished on the merge's server
         self.stats: dict = {}
-        self.served_forms: dict[str, str] = {}  # phase -> how the checkpoint is served (as stored, or a bf16 copy)
+        self.served_forms: dict[
+            str, str
+        ] = {}  # phase -> how the checkpoint is served (as stored, or a bf16 copy)
 
     def memory_plan(self):
         """vLLM's share per GPU (or host) for this model; the notebook shows it, start() refuses a misfit."""
@@ -125,14 +195,15 @@ class ServedEval:
     def _launch(self, name: str, model_path: str, phase: str, lora: bool = False):
         from ..infer import adapters
         from ..infer.serve_form import servable
-        from ..infer.server import VLLMServer
 
         if self.server is not None:
             self.server.stop()
         model_path, self.served_forms[phase] = servable(model_path, self.run_dir / "served")
         modules = {self.p.lora_name: str(self.adapter)} if lora else None
-        rank = max(self.p.max_lora_rank, adapters.adapter_rank(self.adapter)) if lora else self.p.max_lora_rank
-        self.server = VLLMServer.from_params(self.p, self.run_dir, model_path, modules, name=name, max_lora_rank=rank)
+        rank = (
+            max(self.p.max_lora_rank, adapters.adapter_rank(self.adapter)) if lora else self.p.max_lora_rank
+        )
+        self.server = server(self.p, self.run_dir, model_path, modules, name=name, max_lora_rank=rank)
         with stop_on_error(self.server):
             self.server.start()
             self.phases[phase] = self.server.wait_ready()
@@ -149,22 +220,39 @@ class ServedEval:
 
         if not self.serve_lora:
             return None
-        prompts = prompts[:self.p.parity_prompts]
-        reference = reference_plan(self.model_path, self.machine, max((len(pr.token_ids) for pr in prompts), default=1)
-                                   + 16, "parity reference (PEFT, fp32, host)")
+        prompts = prompts[: self.p.parity_prompts]
+        reference = reference_plan(
+            self.model_path,
+            self.machine,
+            max((len(pr.token_ids) for pr in prompts), default=1) + 16,
+            "parity reference (PEFT, fp32, host)",
+        )
         if not reference.fits:
             with stop_on_error(self.server):
-                self.samples = adapters.served_samples(self.server.base_url, self.p.served_model_name,
-                                                       self.p.lora_name, [pr.token_ids for pr in prompts])
+                self.samples = adapters.served_samples(
+                    self.server.base_url,
+                    self.p.served_model_name,
+                    self.p.lora_name,
+                    [pr.token_ids for pr in prompts],
+                )
             self.serve_lora = False  # the adapter is evaluated on the served merge, which finishes the check
-            self.parity_note = ("the PEFT reference does not fit this host (" + "; ".join(reference.problems())
-                                + "): the served LoRA's samples are taken now and compared with the served "
-                                "merge after the base is evaluated")
+            self.parity_note = (
+                "the PEFT reference does not fit this host ("
+                + "; ".join(reference.problems())
+                + "): the served LoRA's samples are taken now and compared with the served "
+                "merge after the base is evaluated"
+            )
             return None
         with stop_on_error(self.server):
-            self.parity = adapters.parity_check(self.server.base_url, self.p.served_model_name, self.p.lora_name,
-                                                self.model_path, str(self.adapter),
-                                                [pr.token_ids for pr in prompts], tol=self.p.parity_tol)
+            self.parity = adapters.parity_check(
+                self.server.base_url,
+                self.p.served_model_name,
+                self.p.lora_name,
+                self.model_path,
+                str(self.adapter),
+                [pr.token_ids for pr in prompts],
+                tol=self.p.parity_tol,
+            )
         if self.parity.verdict != "applied" and self.p.merge_if_ignored:
             print("parity not applied: restarting the base without LoRA; the adapter will be merged")
             self.serve_lora = False
@@ -175,23 +263,39 @@ class ServedEval:
         """label -> client Stats for the base and (served or merged) adapter; answers resume per label."""
         from ..infer import adapters
 
-        p, run_dir = self.p, self.run_dir
+        p, run_dir, client = self.p, self.run_dir, client_config(self.p)
         with stop_on_error(self.server):
-            self.stats["base"] = evaluate.run_eval(self.server.base_url, p.served_model_name, prompts,
-                                                   evaluate.results_path(run_dir, "base"), p)
+            self.stats["base"] = evaluate.run_eval(
+                self.server.base_url,
+                p.served_model_name,
+                prompts,
+                evaluate.results_path(run_dir, "base"),
+                client,
+            )
             if self.adapter and self.serve_lora:
-                self.stats["adapter"] = evaluate.run_eval(self.server.base_url, p.lora_name, prompts,
-                                                          evaluate.results_path(run_dir, "adapter"), p)
+                self.stats["adapter"] = evaluate.run_eval(
+                    self.server.base_url,
+                    p.lora_name,
+                    prompts,
+                    evaluate.results_path(run_dir, "adapter"),
+                    client,
+                )
         if self.adapter and not self.serve_lora:  # merge, then serve the merged copy
             self.server.stop()
             merged = adapters.merge_adapter(self.model_path, self.adapter, run_dir / "merged")
             self._launch("server-merged", str(merged), "adapter (merged)")
             with stop_on_error(self.server):
                 if self.samples is not None:
-                    self.parity = adapters.served_parity(self.samples, self.server.base_url, p.served_model_name,
-                                                         p.parity_tol)
-                self.stats["adapter"] = evaluate.run_eval(self.server.base_url, p.served_model_name, prompts,
-                                                          evaluate.results_path(run_dir, "adapter"), p)
+                    self.parity = adapters.served_parity(
+                        self.samples, self.server.base_url, p.served_model_name, p.parity_tol
+                    )
+                self.stats["adapter"] = evaluate.run_eval(
+                    self.server.base_url,
+                    p.served_model_name,
+                    prompts,
+                    evaluate.results_path(run_dir, "adapter"),
+                    client,
+                )
         return self.stats
 
     @property
@@ -213,12 +317,23 @@ def headline(tables) -> str:
     return "; ".join(f"{k} {r['accuracy']:.1%} (scored on {r['scored_on']})" for k, r in overall.items())
 
 
-def verdict(tables, parity=None) -> Verdict:
+@dataclass
+class EvalResult:
+    """What the verdict reads: each model's accuracy table and, with an adapter, its parity check."""
+
+    tables: dict[str, Any]  # label -> evaluate.score's accuracy table
+    parity: Any = None  # adapters.ParityResult, or None: no adapter or no check
+
+
+def verdict(result: EvalResult) -> Verdict:
     """Accuracy of each model as the headline; fail when the adapter changes nothing (a merge that answers
     as the base), warn when parity could not confirm that vLLM serves the trained adapter."""
-    lines = [f"{label}: {r['accuracy']:.1%}, 95% CI [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}], "
-             f"{r['correct']} correct, scored on {r['scored_on']}"
-             for label, r in ((label, t.iloc[0]) for label, t in tables.items())]
+    tables, parity = result.tables, result.parity
+    lines = [
+        f"{label}: {r['accuracy']:.1%}, 95% CI [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}], "
+        f"{r['correct']} correct, scored on {r['scored_on']}"
+        for label, r in ((label, t.iloc[0]) for label, t in tables.items())
+    ]
     lines += category_changes(tables)
     status = OK
     if parity is not None:
@@ -236,9 +351,12 @@ def category_changes(tables) -> list[str]:
     cats = [c for c in base.index if c != "all" and c in adapted.index]
     if len(cats) < 2:
         return []
-    return [f"{cat}: base {base.loc[cat, 'accuracy']:.1%} → adapter {adapted.loc[cat, 'accuracy']:.1%} "
-            f"({100 * (adapted.loc[cat, 'accuracy'] - base.loc[cat, 'accuracy']):+.1f} points, "
-            f"scored on {base.loc[cat, 'scored_on']})" for cat in cats]
+    return [
+        f"{cat}: base {base.loc[cat, 'accuracy']:.1%} → adapter {adapted.loc[cat, 'accuracy']:.1%} "
+        f"({100 * (adapted.loc[cat, 'accuracy'] - base.loc[cat, 'accuracy']):+.1f} points, "
+        f"scored on {base.loc[cat, 'scored_on']})"
+        for cat in cats
+    ]
 
 
 def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
@@ -276,13 +394,18 @@ def accuracy_frame(tables):
 
 def accuracy_table(frame):
     """accuracy_frame styled for the report: percentages, no index."""
-    return frame.style.format({"accuracy": "{:.1%}", "ci95_low": "{:.1%}", "ci95_high": "{:.1%}"}).hide(axis="index")
+    return frame.style.format({"accuracy": "{:.1%}", "ci95_low": "{:.1%}", "ci95_high": "{:.1%}"}).hide(
+        axis="index"
+    )
 
 
 def throughput_table(stats) -> dict[str, str]:
     """Per model: tokens/s, requests/s and latency percentiles, one line each."""
-    return {k: f"{s.tokens_per_s:.1f} tok/s, {s.summary()['requests_per_s']} req/s, "
-               f"p50 {s.percentiles()['p50']:.2f} s, p90 {s.percentiles()['p90']:.2f} s" for k, s in stats.items()}
+    return {
+        k: f"{s.tokens_per_s:.1f} tok/s, {s.summary()['requests_per_s']} req/s, "
+        f"p50 {s.percentiles()['p50']:.2f} s, p90 {s.percentiles()['p90']:.2f} s"
+        for k, s in stats.items()
+    }
 
 
 def comparison_frame(tables, examples):
@@ -290,15 +413,25 @@ def comparison_frame(tables, examples):
     import pandas as pd
 
     base, adapted = tables["base"].set_index("category"), tables["adapter"].set_index("category")
-    changed = (examples["base"].set_index("id")["prediction"] != examples["adapter"].set_index("id")["prediction"])
+    changed = (
+        examples["base"].set_index("id")["prediction"] != examples["adapter"].set_index("id")["prediction"]
+    )
     by_cat = examples["base"].set_index("id")["category"]
     rows = []
     for cat in base.index:
         ids = by_cat.index if cat == "all" else by_cat.index[by_cat == cat]
-        rows.append({"category": cat, "base": base.loc[cat, "accuracy"], "adapter": adapted.loc[cat, "accuracy"],
-                     "delta": adapted.loc[cat, "accuracy"] - base.loc[cat, "accuracy"],
-                     "answers_changed": int(changed.loc[ids].sum()), "scored_on": base.loc[cat, "scored_on"]})
-    return pd.DataFrame(rows).style.format({"base": "{:.1%}", "adapter": "{:.1%}", "delta": "{:+.1%}"}).hide(axis="index")
+        rows.append(
+            {
+                "category": cat,
+                "base": base.loc[cat, "accuracy"],
+                "adapter": adapted.loc[cat, "accuracy"],
+                "delta": adapted.loc[cat, "accuracy"] - base.loc[cat, "accuracy"],
+                "answers_changed": int(changed.loc[ids].sum()),
+                "scored_on": base.loc[cat, "scored_on"],
+            }
+        )
+    styled = pd.DataFrame(rows).style.format({"base": "{:.1%}", "adapter": "{:.1%}", "delta": "{:+.1%}"})
+    return styled.hide(axis="index")
 
 
 def latency_figure(stats):

@@ -71,11 +71,24 @@ def latest(run_dir: str | Path) -> Path | None:
 
 # What a resumed run may change: where and how often it writes, where layers sit. Anything else (data,
 # model, LoRA shape, optimisation, loss) would mix two runs in one adapter or fail on a shape mismatch.
-MAY_CHANGE_ON_RESUME = frozenset({"run_dir", "resume", "log_every", "save_every", "offload_dir", "device_map",
-                                  "max_memory_gib_per_gpu", "cpu_max_memory_gib", "grad_checkpointing",
-                                  # how the prefix pass batches and stores (prefix_cache itself may not change:
-                                  # on GPUs it changes the number of ranks and the adapted layer's precision)
-                                  "prefix_tokens_per_batch", "prefix_shard_mib", "prefix_pipeline"})
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "run_dir",
+        "resume",
+        "log_every",
+        "save_every",
+        "offload_dir",
+        "device_map",
+        "max_memory_gib_per_gpu",
+        "cpu_max_memory_gib",
+        "grad_checkpointing",
+        # how the prefix pass batches and stores (prefix_cache itself may not change:
+        # on GPUs it changes the number of ranks and the adapted layer's precision)
+        "prefix_tokens_per_batch",
+        "prefix_shard_mib",
+        "prefix_pipeline",
+    }
+)
 
 
 class ResumeMismatch(ValueError):
@@ -101,13 +114,17 @@ def check_resumable(run_dir: str | Path, params: dict[str, Any]) -> Path | None:
     saved = saved_params(ckpt)
     if saved is None:
         return ckpt
-    diff = [f"{k}: {saved.get(k)!r} → {params.get(k)!r}" for k in sorted(set(saved) | set(params))
-            if k not in MAY_CHANGE_ON_RESUME and saved.get(k) != params.get(k)]
+    diff = [
+        f"{k}: {saved.get(k)!r} → {params.get(k)!r}"
+        for k in sorted(set(saved) | set(params))
+        if k not in MAY_CHANGE_ON_RESUME and saved.get(k) != params.get(k)
+    ]
     if diff:
         raise ResumeMismatch(
             f"{ckpt.parent} was written with other parameters: {'; '.join(diff)}. Resuming would mix two runs. "
             f"Start a new run folder (run_dir '' or another --run-dir), or put the old values back to resume "
-            f"(the checkpoint stays as it is)")
+            f"(the checkpoint stays as it is)"
+        )
     return ckpt
 
 

@@ -39,8 +39,14 @@ def from_env(env: dict[str, str] | None = None) -> DistInfo:
     env = dict(os.environ if env is None else env)
     rank, world, local, source = process_ranks(env)
     if source == "torchrun":
-        return DistInfo(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
-                        source)
+        return DistInfo(
+            rank,
+            world,
+            local,
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+            source,
+        )
     if source == "slurm":
         addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not (addr and port):
@@ -56,9 +62,13 @@ def init(info: DistInfo, timeout_s: float = 1800) -> DistInfo:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":  # before the first collective, so NCCL does not guess this rank's GPU
             torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        tdist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                                 rank=info.rank, world_size=info.world_size,
-                                 timeout=dt.timedelta(seconds=timeout_s))
+        tdist.init_process_group(
+            backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=dt.timedelta(seconds=timeout_s),
+        )
     return info
 
 
@@ -80,7 +90,7 @@ def allreduce_grads(params: list[torch.nn.Parameter]) -> None:
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(g).to(device=p.device, dtype=p.dtype)
+        p.grad = flat[offset : offset + n].view_as(g).to(device=p.device, dtype=p.dtype)
         offset += n
 
 

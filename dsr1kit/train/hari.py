@@ -34,6 +34,17 @@ from ..model.lora import decoder_layers
 KlTokens = Literal["all", "assistant"]
 
 
+@dataclass(frozen=True)
+class HariLoss:
+    """Which loss a step minimises (notebook 20's loss parameters)."""
+
+    lambda_kl: float  # weight of the KL term; 0: plain CE
+    kl_temperature: float  # softmax temperature T of the KL term (scaled by T²)
+    kl_tokens: KlTokens  # all: attention-masked tokens; assistant: positions predicting the answer
+    loss_chunk: int  # tokens per chunk of the lm_head / CE / KL pass (fast)
+    impl: Literal["fast", "naive"]  # fast: frozen prefix once, logits in chunks; naive: the recipe
+
+
 @dataclass
 class LossParts:
     loss: torch.Tensor  # differentiable
@@ -58,8 +69,13 @@ def kl_mask(batch: dict[str, torch.Tensor], kl_tokens: KlTokens) -> torch.Tensor
     raise ValueError(f"kl_tokens must be 'all' or 'assistant', got {kl_tokens!r}")
 
 
-def token_terms(logits: torch.Tensor, ref_logits: torch.Tensor | None, targets: torch.Tensor,
-                kl_select: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_terms(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor | None,
+    targets: torch.Tensor,
+    kl_select: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of CE over targeted positions and sum of KL over selected positions, in fp32."""
     logits = logits.float()
     ce_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
@@ -78,8 +94,9 @@ def _combine(ce_sum, kl_sum, n_ce, n_kl, lambda_kl, temperature) -> LossParts:
     return LossParts(loss, float(ce.detach()), float(kl.detach()), n_ce, n_kl)
 
 
-def naive_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,
-               kl_tokens: KlTokens = "all") -> LossParts:
+def naive_loss(
+    model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float, kl_tokens: KlTokens = "all"
+) -> LossParts:
     """The recipe: two full forwards, full-vocab KL."""
     ids, attn = batch["input_ids"], batch["attention_mask"]
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
@@ -93,8 +110,13 @@ def naive_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperat
     targets = next_token_targets(batch["labels"]).to(logits.device)
     select = kl_mask(batch, kl_tokens).to(logits.device)
     v = logits.shape[-1]
-    ce_sum, kl_sum = token_terms(logits.reshape(-1, v), None if ref is None else ref.reshape(-1, v),
-                                 targets.reshape(-1), select.reshape(-1).float(), temperature)
+    ce_sum, kl_sum = token_terms(
+        logits.reshape(-1, v),
+        None if ref is None else ref.reshape(-1, v),
+        targets.reshape(-1),
+        select.reshape(-1).float(),
+        temperature,
+    )
     return _combine(ce_sum, kl_sum, int((targets != IGNORE).sum()), int(select.sum()), lambda_kl, temperature)
 
 
@@ -125,8 +147,11 @@ def prefix_forward(model, batch: dict[str, torch.Tensor], first_layer: int):
     handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with torch.no_grad():
-            inputs = ({"inputs_embeds": batch["inputs_embeds"]} if "inputs_embeds" in batch
-                      else {"input_ids": batch["input_ids"]})
+            inputs = (
+                {"inputs_embeds": batch["inputs_embeds"]}
+                if "inputs_embeds" in batch
+                else {"input_ids": batch["input_ids"]}
+            )
             model(**inputs, attention_mask=batch["attention_mask"], use_cache=False)
     except _StopAtLayer as captured:
         args, kwargs = captured.args_, captured.kwargs_
@@ -138,7 +163,9 @@ def prefix_forward(model, batch: dict[str, torch.Tensor], first_layer: int):
     return hidden, args[1:], kwargs
 
 
-def run_layers(model, first_layer: int, hidden: torch.Tensor, args, kwargs, end: int | None = None) -> torch.Tensor:
+def run_layers(
+    model, first_layer: int, hidden: torch.Tensor, args, kwargs, end: int | None = None
+) -> torch.Tensor:
     """Layers ``first_layer`` .. ``end`` (default: the last) on ``hidden``."""
     for layer in decoder_layers(model)[first_layer:end]:
         out = layer(hidden, *args, **kwargs)
@@ -162,7 +189,8 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     h = h.detach().requires_grad_(True)
     with torch.enable_grad():
         logits = lm_head(norm(h))
-    targets, kl_select = targets.to(logits.device), kl_select.to(logits.device)  # lm_head may sit on another GPU
+    # lm_head may sit on another GPU
+    targets, kl_select = targets.to(logits.device), kl_select.to(logits.device)
     with torch.no_grad():
         z = logits.detach().float()
         valid = targets != IGNORE
@@ -185,8 +213,16 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     return ce_sum.cpu(), kl_sum.cpu(), h.grad
 
 
-def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperature: float,
-              first_layer: int, kl_tokens: KlTokens = "all", chunk: int = 1024) -> LossParts:
+def fast_loss(
+    model,
+    batch: dict[str, torch.Tensor],
+    lambda_kl: float,
+    temperature: float,
+    first_layer: int,
+    kl_tokens: KlTokens = "all",
+    *,
+    chunk: int,
+) -> LossParts:
     """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks.
 
     The returned loss is a surrogate: its value is the true loss and its
@@ -214,8 +250,17 @@ def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperatu
     grads = []
     for start in range(0, hs.shape[0], chunk):
         end = start + chunk
-        c, k, g = chunk_terms_and_grad(norm, lm_head, hs[start:end], None if hr is None else hr[start:end],
-                                       tg[start:end], sel[start:end], temperature, w_ce, w_kl)
+        c, k, g = chunk_terms_and_grad(
+            norm,
+            lm_head,
+            hs[start:end],
+            None if hr is None else hr[start:end],
+            tg[start:end],
+            sel[start:end],
+            temperature,
+            w_ce,
+            w_kl,
+        )
         ce_sum, kl_sum = ce_sum + float(c), kl_sum + float(k)
         grads.append(g)
     grad_hs = torch.cat(grads) if grads else torch.zeros_like(hs)
@@ -226,8 +271,10 @@ def fast_loss(model, batch: dict[str, torch.Tensor], lambda_kl: float, temperatu
     return LossParts(loss, ce, kl, n_ce, n_kl)
 
 
-def hari_loss(model, batch, p, first_layer: int) -> LossParts:
-    """Dispatch on ``p.hari_impl`` (dsr1kit.params.HariParams)."""
-    if p.hari_impl == "naive":
-        return naive_loss(model, batch, p.lambda_kl, p.kl_temperature, p.kl_tokens)
-    return fast_loss(model, batch, p.lambda_kl, p.kl_temperature, first_layer, p.kl_tokens, p.loss_chunk)
+def hari_loss(model, batch, loss: HariLoss, first_layer: int) -> LossParts:
+    """Dispatch on ``loss.impl``."""
+    if loss.impl == "naive":
+        return naive_loss(model, batch, loss.lambda_kl, loss.kl_temperature, loss.kl_tokens)
+    return fast_loss(
+        model, batch, loss.lambda_kl, loss.kl_temperature, first_layer, loss.kl_tokens, chunk=loss.loss_chunk
+    )

@@ -23,9 +23,28 @@ from tqdm.std import tqdm
 
 from ..data.labels import collate
 from . import checkpoint, dist
-from .hari import hari_loss
+from .hari import HariLoss, hari_loss
 
 STOP_FILE = "STOP"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the loop reads (notebook 20's optimisation parameters); ``settings`` is what a resume compares."""
+
+    batch_size: int  # samples per micro-batch, per rank
+    grad_accum: int  # micro-batches per optimizer step
+    epochs: int  # passes over the data
+    max_steps: int  # optimizer steps; 0: epochs decide
+    lr: float  # peak learning rate
+    warmup_ratio: float  # share of steps with a linear warm-up
+    clip_norm: float  # gradient norm clip
+    log_every: int  # optimizer steps between metric lines
+    save_every: int  # optimizer steps between checkpoints (and on a stop request)
+    seed: int  # data order: a pure function of (seed, epoch, rank)
+    resume: bool  # resume from the run folder's checkpoint when present
+    loss: HariLoss  # the loss of every micro-batch
+    settings: dict[str, Any]  # the run's parameters: saved with each checkpoint, checked on resume
 
 
 class NonFiniteLoss(RuntimeError):
@@ -48,17 +67,19 @@ def epoch_batches(n: int, seed: int, epoch: int, rank: int, world: int, batch_si
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     per_rank = (n // world) // batch_size * batch_size
     mine = perm[rank::world][:per_rank]
-    return [mine[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
 
 
-def schedule(n: int, p, world: int) -> tuple[int, int]:
+def schedule(n: int, cfg: TrainConfig, world: int) -> tuple[int, int]:
     """(optimizer steps per epoch, total optimizer steps)."""
-    per_epoch = ((n // world) // p.batch_size) // p.grad_accum
+    per_epoch = ((n // world) // cfg.batch_size) // cfg.grad_accum
     if per_epoch == 0:
-        raise ValueError(f"{n} examples are too few for batch_size {p.batch_size} × grad_accum {p.grad_accum} "
-                         f"× {world} ranks: lower them or add data")
-    total = per_epoch * p.epochs
-    return per_epoch, min(total, p.max_steps) if p.max_steps else total
+        raise ValueError(
+            f"{n} examples are too few for batch_size {cfg.batch_size} × grad_accum {cfg.grad_accum} "
+            f"× {world} ranks: lower them or add data"
+        )
+    total = per_epoch * cfg.epochs
+    return per_epoch, min(total, cfg.max_steps) if cfg.max_steps else total
 
 
 class StopRequest:
@@ -91,8 +112,10 @@ class StopRequest:
 
 def peak_memory_gib() -> dict[str, float]:
     if torch.cuda.is_available():
-        return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3)
-                for i in range(torch.cuda.device_count())}
+        return {
+            f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3)
+            for i in range(torch.cuda.device_count())
+        }
     return {"cpu_rss": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
 
@@ -143,8 +166,16 @@ def _truncate_metrics(path: Path, after_step: int) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in keep))
 
 
-def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, info: dist.DistInfo,
-          prefix=None) -> TrainResult:
+def train(
+    model,
+    tokenizer,
+    examples,
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    first_layer: int,
+    info: dist.DistInfo,
+    prefix=None,
+) -> TrainResult:
     """HARI over ``examples``; with ``prefix`` (a PrefixCache) each batch enters the model as the cached
     hidden states of its samples at ``first_layer`` instead of as token ids."""
     from transformers import get_scheduler
@@ -153,17 +184,18 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
     metrics_path = run_dir / "metrics.jsonl"
     params = [q for q in model.parameters() if q.requires_grad]
     names = [n for n, q in model.named_parameters() if q.requires_grad]
-    per_epoch, total = schedule(len(examples), p, info.world_size)
-    optimizer = make_optimizer(params, p.lr)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(p.warmup_ratio * total),
-                              num_training_steps=total)
+    per_epoch, total = schedule(len(examples), cfg, info.world_size)
+    optimizer = make_optimizer(params, cfg.lr)
+    scheduler = get_scheduler(
+        "linear", optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * total), num_training_steps=total
+    )
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().num_embeddings
     result = TrainResult(0, total, optimizer=type(optimizer).__name__)
 
     # --- resume: weights, optimizer, scheduler, RNG and data position from the latest checkpoint
     start = 0
-    ckpt = checkpoint.check_resumable(run_dir, p.to_dict()) if p.resume else None
+    ckpt = checkpoint.check_resumable(run_dir, dict(cfg.settings)) if cfg.resume else None
     if ckpt is not None:
         state = checkpoint.load(ckpt)
         with torch.no_grad():
@@ -182,11 +214,18 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
 
     def save(step: int) -> None:
         if info.is_main:
-            checkpoint.save(run_dir, step, {
-                "trainable": {n: q.detach().cpu().clone() for n, q in zip(names, params)},
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": checkpoint.rng_state(), "params": p.to_dict(),
-                "progress": {"step": step, "epoch": step // per_epoch, "total_steps": total}})
+            checkpoint.save(
+                run_dir,
+                step,
+                {
+                    "trainable": {n: q.detach().cpu().clone() for n, q in zip(names, params)},
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": checkpoint.rng_state(),
+                    "params": dict(cfg.settings),
+                    "progress": {"step": step, "epoch": step // per_epoch, "total_steps": total},
+                },
+            )
         dist.barrier()
 
     model.train()
@@ -198,9 +237,11 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
         """Example indices of one micro-batch, from the (seed, epoch, rank) order."""
         epoch, in_epoch = divmod(step, per_epoch)
         if epoch not in batches:
-            batches[epoch] = epoch_batches(len(examples), p.seed, epoch, info.rank, info.world_size, p.batch_size)
+            batches[epoch] = epoch_batches(
+                len(examples), cfg.seed, epoch, info.rank, info.world_size, cfg.batch_size
+            )
             batches.pop(epoch - 2, None)
-        return batches[epoch][in_epoch * p.grad_accum + micro]
+        return batches[epoch][in_epoch * cfg.grad_accum + micro]
 
     def cached_states(step: int, micro: int):
         idx = micro_batch(step, micro)
@@ -215,20 +256,20 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
             epoch = step // per_epoch
             bad = None
             # --- forward/backward over grad_accum micro-batches
-            for micro in range(p.grad_accum):
+            for micro in range(cfg.grad_accum):
                 idx = micro_batch(step, micro)
                 chosen = [examples[i] for i in idx]
                 batch = collate(chosen, tokenizer.pad_token_id, vocab)
                 if ahead is not None:
                     batch["inputs_embeds"] = ahead.result()
-                    after = (step, micro + 1) if micro + 1 < p.grad_accum else (step + 1, 0)
+                    after = (step, micro + 1) if micro + 1 < cfg.grad_accum else (step + 1, 0)
                     ahead = reader.submit(cached_states, *after) if after[0] < total else None
                 batch = {k: v.to(device) for k, v in batch.items()}
-                parts = hari_loss(model, batch, p, first_layer)
+                parts = hari_loss(model, batch, cfg.loss, first_layer)
                 if not torch.isfinite(parts.loss):
                     bad = [examples[i].id for i in idx]
                     break
-                (parts.loss / p.grad_accum).backward()
+                (parts.loss / cfg.grad_accum).backward()
                 window["tokens"] += int(batch["attention_mask"].sum())
                 window["ce"] += parts.ce
                 window["kl"] += parts.kl
@@ -238,11 +279,13 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
             if dist.any_rank(bad is not None):
                 optimizer.zero_grad(set_to_none=True)
                 save(step)
-                raise NonFiniteLoss(f"non-finite loss at step {step + 1} (epoch {epoch}); batch ids: {bad}; "
-                                    f"last good state saved at step {step}. Lower lr or lambda_kl, check the data")
+                raise NonFiniteLoss(
+                    f"non-finite loss at step {step + 1} (epoch {epoch}); batch ids: {bad}; "
+                    f"last good state saved at step {step}. Lower lr or lambda_kl, check the data"
+                )
             # --- sync LoRA grads across nodes, clip, step
             dist.allreduce_grads(params)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, p.clip_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -251,12 +294,19 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
             result.steps_done = done
             bar.update(1)
             # --- log: means over the micro-batches of every rank since the last line
-            if done % p.log_every == 0 or done == total:
+            if done % cfg.log_every == 0 or done == total:
                 n = dist.allreduce_scalar(window["micro"])
-                row = {"step": done, "epoch": epoch, "lr": lr, "grad_norm": grad_norm,
-                       **{k: dist.allreduce_scalar(window[k]) / n for k in ("loss", "ce", "kl")},
-                       "tokens_per_s": dist.allreduce_scalar(window["tokens"]) / max(time.monotonic() - window["t0"], 1e-9),
-                       "peak_memory_gib": peak_memory_gib()}
+                means = {k: dist.allreduce_scalar(window[k]) / n for k in ("loss", "ce", "kl")}
+                tokens = dist.allreduce_scalar(window["tokens"])
+                row = {
+                    "step": done,
+                    "epoch": epoch,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    **means,
+                    "tokens_per_s": tokens / max(time.monotonic() - window["t0"], 1e-9),
+                    "peak_memory_gib": peak_memory_gib(),
+                }
                 window = _new_window()
                 result.history.append(row)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl']:.2e}")
@@ -264,7 +314,7 @@ def train(model, tokenizer, examples, p, run_dir: str | Path, first_layer: int, 
                     _append_metrics(metrics_path, row)
             # --- checkpoint on schedule, or now if a stop was requested (preemption)
             stopping = dist.any_rank(stop.requested)
-            if done % p.save_every == 0 or stopping or done == total:
+            if done % cfg.save_every == 0 or stopping or done == total:
                 save(done)
             if stopping and done < total:
                 result.preempted = True

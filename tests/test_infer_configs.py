@@ -1,0 +1,73 @@
+"""infer/'s configs: a default is notebook 10's parameter default (one value, not two), and the step builds
+them from the notebook's parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsr1kit.infer.client import ClientConfig
+from dsr1kit.infer.server import ServerSpec
+from dsr1kit.params import InferenceParams
+from dsr1kit.steps import vllm_inference
+
+PARAM_OF = {"env": "server_env"}  # ServerSpec field -> InferenceParams field, where the names differ
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def test_server_spec_defaults_are_the_notebook_parameters_defaults():
+    params = InferenceParams.model_fields
+    for f in dataclasses.fields(ServerSpec):
+        default = _default(f)
+        if default is dataclasses.MISSING or f.name == "lora_modules":  # required, or no parameter
+            continue
+        expected = params[PARAM_OF.get(f.name, f.name)].default
+        assert default == (tuple(expected) if isinstance(default, tuple) else expected), f.name
+
+
+def test_client_config_has_no_second_defaults():
+    assert all(_default(f) is dataclasses.MISSING for f in dataclasses.fields(ClientConfig))
+
+
+def test_the_step_builds_the_configs_from_the_parameters():
+    p = InferenceParams(
+        port=8123,
+        max_num_seqs=4,
+        data_parallel_size=2,
+        extra_args=["--x", "1"],
+        retries=1,
+        server_env={"A": "b"},
+        max_new_tokens=7,
+        temperature=0.5,
+        request_timeout_s=9,
+    )
+    spec = vllm_inference.server_spec(p, "/models/m", {"attn": "/a"}, max_lora_rank=32)
+    assert (spec.model, spec.port, spec.max_num_seqs, spec.extra_args, spec.env) == (
+        "/models/m",
+        8123,
+        4,
+        ("--x", "1"),
+        {"A": "b"},
+    )
+    assert spec.command()[-9:] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "32",
+        "--max-loras",
+        "1",
+        "--lora-modules",
+        "attn=/a",
+        "--x",
+        "1",
+    ]
+    assert vllm_inference.server_spec(p, "/m").max_lora_rank == p.max_lora_rank
+    assert vllm_inference.server_spec(InferenceParams(), "/m").port > 0  # port 0: a free one
+    expected = ClientConfig(concurrency=16, timeout_s=9, retries=1, max_tokens=7, temperature=0.5)
+    assert vllm_inference.client_config(p) == expected  # concurrency 0: 2 x max_num_seqs x data_parallel_size
+    server = vllm_inference.server(p, "/runs/r", "/m", name="server-base")
+    assert str(server.log_path) == "/runs/r/logs/server-base.log"
+    assert server.ready_timeout_s == p.ready_timeout_s
