@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from .. import params
+from ..steps import parameters
 
 
 def add_params_options(
@@ -36,18 +36,16 @@ def add_params_options(
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The -p overrides as values (YAML-parsed)."""
-    return {k: params.parse_override(v) for k, v in args.param}
+    return parameters.parse_overrides(args.param)
 
 
-def load_params(
-    notebook: str, args: argparse.Namespace, files: list[str] | None = None, **extra: Any
-) -> params.NotebookParams | None:
+def load_params(notebook: str, args: argparse.Namespace, files: list[str] | None = None, **extra: Any) -> Any:
     """The validated parameters of ``notebook`` from -f files (or ``files``), -p and ``extra``; None after
     printing the error (an unknown or mistyped key names the valid ones)."""
     try:
-        return params.load(
+        return parameters.load(
             notebook, args.params_file if files is None else files, {**overrides(args), **extra}
         )
-    except (params.ParamsError, FileNotFoundError) as err:
+    except (parameters.ParamsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..params import ParamsError
 from ..run.paths import PROJECT_ROOT
+from ..steps.parameters import ParamsError
 from . import jobs
 from .args import add_params_options, load_params, overrides
 from .lab import cmd_lab
@@ -16,8 +16,8 @@ DEMO_ORDER = ("00_cluster_check", "20_hari_training", "10_vllm_inference", "30_a
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .. import params
     from ..run.report import NotebookFailed, find_notebook, run_notebook
+    from ..steps import parameters as params
 
     values = overrides(args)
     try:
@@ -48,8 +48,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Every notebook on the embedded tiny model, in pipeline order: the tiny set, plus params/demo's
     layer where a notebook has one (HARI on task B, then base vs adapter scored on B and on A)."""
-    from .. import params
     from ..run.report import NotebookFailed, run_notebook
+    from ..steps import parameters as params
 
     failed = 0
     done = []
@@ -117,13 +117,14 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_parameters_cell(args: argparse.Namespace) -> int:
-    from .. import params
     from ..run import parameters_cell
+    from ..steps import parameters as params
 
     paths = args.notebooks or sorted(parameters_cell.NOTEBOOKS_DIR.glob("*.ipynb"))
     for path in paths:
-        if path.stem in params.MODELS:
-            changed = parameters_cell.write(path, params.MODELS[path.stem])
+        model = params.model_for_stem(path.stem)
+        if model is not None:
+            changed = parameters_cell.write(path, model)
             print(f"{path}: {'rewritten' if changed else 'up to date'}")
     return 0
 
