@@ -82,11 +82,33 @@ def fmt(v, spec: str = "") -> str:
 # -- configs -----------------------------------------------------------------------------------------
 
 
-def r1_config(layers: int):
-    """R1's real widths; the first 3 layers dense (fewer when ``layers`` is small)."""
+# What every bench model shares with R1: the MLA projections, the grouped router, untied embeddings.
+R1_SHAPE = dict(
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+
+
+def deepseek_v3_config(**fields):
+    """A DeepseekV3Config of R1's shape with the widths and changes given."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    return DeepseekV3Config(**{**R1_SHAPE, **fields})
+
+
+def r1_config(layers: int, **changes):
+    """R1's real widths; the first 3 layers dense (fewer when ``layers`` is small)."""
+    return deepseek_v3_config(
         vocab_size=129280,
         hidden_size=7168,
         intermediate_size=18432,
@@ -98,80 +120,56 @@ def r1_config(layers: int):
         n_routed_experts=256,
         num_experts_per_tok=8,
         n_shared_experts=1,
-        n_group=8,
-        topk_group=4,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=16384,
-        tie_word_embeddings=False,
-        use_cache=False,
+        **changes,
     )
 
 
-def h2048_config(layers: int):
+def h2048_config(layers: int, **changes):
     """The one-GPU bench model: hidden 2048, 64 experts top-6, MLA, vocab 129,280 (~4.5B at 8 layers)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=129280,
-        hidden_size=2048,
-        intermediate_size=10944,
-        moe_intermediate_size=1408,
-        num_hidden_layers=layers,
-        first_k_dense_replace=1,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        n_routed_experts=64,
-        num_experts_per_tok=6,
-        n_shared_experts=2,
-        n_group=8,
-        topk_group=4,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=16384,
-        tie_word_embeddings=False,
-        use_cache=False,
+    return deepseek_v3_config(
+        **{
+            "vocab_size": 129280,
+            "hidden_size": 2048,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": layers,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "n_shared_experts": 2,
+            **changes,
+        }
     )
 
 
 def tiny_config(layers: int, first_k_dense: int, **changes):
     """Tiny widths for CPU smoke tests; every Linear: in % 64 == 0, out % 32 == 0 (bitsandbytes on CPU)."""
-    from transformers import DeepseekV3Config
-
-    fields = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=layers,
-        first_k_dense_replace=first_k_dense,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        use_cache=False,
+    return deepseek_v3_config(
+        **{
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": layers,
+            "first_k_dense_replace": first_k_dense,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 64,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "max_position_embeddings": 4096,
+            **changes,
+        }
     )
-    return DeepseekV3Config(**{**fields, **changes})
 
 
 # -- builds ---------------------------------------------------------------------------------------------
@@ -193,11 +191,11 @@ def quantize_linears_(module: torch.nn.Module, device: torch.device) -> None:
     """Every nn.Linear under ``module`` to bitsandbytes NF4 on ``device`` (bf16 compute)."""
     import bitsandbytes as bnb
 
-    from dsr1kit.model.stream_load import _nf4_linear
+    from dsr1kit.model.stream_load import nf4_linear
 
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, _nf4_linear(child, child.weight.data, device, torch.bfloat16))
+            setattr(module, name, nf4_linear(child, child.weight.data, device, torch.bfloat16))
         elif not isinstance(child, bnb.nn.Linear4bit):
             quantize_linears_(child, device)
 

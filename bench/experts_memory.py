@@ -43,6 +43,7 @@ from dsr1kit.embedded.r1_format import R1_QUANTIZATION_CONFIG, is_fp8_weight
 from .common import (
     CHUNK,
     GIB,
+    R1_SHAPE,
     add_lora,
     allocated_gib,
     free,
@@ -56,6 +57,7 @@ from .common import (
 ROOT = Path(__file__).resolve().parent.parent  # the children run ``python -m bench.experts_memory`` from here
 
 CONFIG = dict(
+    R1_SHAPE,
     vocab_size=129280,
     hidden_size=2048,
     intermediate_size=10944,
@@ -67,17 +69,7 @@ CONFIG = dict(
     n_routed_experts=64,
     num_experts_per_tok=8,
     n_shared_experts=1,
-    n_group=8,
-    topk_group=4,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
     max_position_embeddings=4096,
-    tie_word_embeddings=False,
     topk_method="noaux_tc",
     scoring_func="sigmoid",
 )

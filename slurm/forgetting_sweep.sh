@@ -2,7 +2,7 @@
 # The forgetting sweep (notebook 40) as two chained jobs; run on the login node from the project root:
 #   bash slurm/forgetting_sweep.sh params/tiny/40_forgetting_sweep.yaml [-p KEY VALUE ...]
 # 1. a job array of slurm/forgetting_sweep.sbatch, one task per (λ, seed) point (--array=0-<N-1>, N from
-#    `python -m dsr1kit.steps.forgetting_sweep ... --count`, run here, which also checks the params);
+#    `python -m dsr1kit sweep-point ... --count`, run here, which also checks the params);
 #    each task trains and measures its point in <run>/points/lambda<λ>-seed<s>/ (result.json);
 # 2. the same script without an array id, --dependency=afterok:<job 1>: the notebook once, which finds
 #    every point measured and only reports (<run>/report.html, <run>/summary.json).
@@ -44,7 +44,7 @@ if [ -z "$python" ]; then
   if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python; fi
 fi
 # The number of points (and a check of the params before anything is queued); nothing is created.
-n=$("$python" -m dsr1kit.steps.forgetting_sweep -f "$PARAMS" ${params[@]+"${params[@]}"} --count) || {
+n=$("$python" -m dsr1kit sweep-point -f "$PARAMS" ${params[@]+"${params[@]}"} --count) || {
   echo "error: counting the sweep's points failed (see above); nothing submitted" >&2
   exit 2
 }

@@ -1,5 +1,6 @@
 """Steps without a notebook, for sbatch scripts and tests: ``train`` (HARI, or only the prefix pass, or only
-the check that its cache is complete) and ``rank-check`` (one rank of the cluster check)."""
+the check that its cache is complete), ``rank-check`` (one rank of the cluster check) and ``sweep-point``
+(one point of the forgetting sweep, a job array's task)."""
 
 from __future__ import annotations
 
@@ -93,4 +94,42 @@ def cmd_rank_check(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def add_sweep_point(sub) -> None:
+    point = sub.add_parser(
+        "sweep-point",
+        help="one point of the forgetting sweep (a job array task), or --count the points",
+        description="One (λ, seed) point of notebook 40's sweep: HARI on task B, then measured on A and B, "
+        "written to RUN/points/<point>/result.json (a point with a result is never redone). --count prints "
+        "the number of points (the job array's size) and runs nothing; it also checks the parameters.",
+    )
+    add_params_options(point, run_dir="optional", run_dir_help="the sweep's run folder (needed with --point)")
+    group = point.add_mutually_exclusive_group(required=True)
+    group.add_argument("--point", type=int, help="the point's index (SLURM_ARRAY_TASK_ID)")
+    group.add_argument("--count", action="store_true", help="print the number of points and exit")
+    point.set_defaults(func=cmd_sweep_point)
+
+
+def cmd_sweep_point(args: argparse.Namespace) -> int:
+    from ..steps.forgetting_sweep import points, run_point
+
+    p = load_params("40_forgetting_sweep", args, run_dir=args.run_dir or "")
+    if p is None:
+        return 2
+    todo = points(p)
+    if args.count:
+        print(len(todo))
+        return 0
+    if not args.run_dir:
+        print("error: --point needs --run-dir (the sweep's run folder)", file=sys.stderr)
+        return 2
+    if not 0 <= args.point < len(todo):
+        print(
+            f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",
+            file=sys.stderr,
+        )
+        return 2
+    print(json.dumps(run_point(p, todo[args.point], args.run_dir).to_dict()))
     return 0

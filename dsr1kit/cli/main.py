@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     jobs.add_train(sub)
     jobs.add_rank_check(sub)
+    jobs.add_sweep_point(sub)
 
     cell = sub.add_parser(
         "parameters-cell",

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint_index import CheckpointError
 from .experts_nf4 import CHUNK_EXPERTS
-from .stream_load import Checkpoint, _finish, _Loader, skeleton
+from .stream_load import Checkpoint, UnitLoader, finish_load, skeleton
 
 
 class Passthrough(nn.Module):
@@ -82,7 +82,7 @@ def load_adapted_layers(
     for i in range(first_layer):
         model.model.layers[i] = Passthrough(i)
     model.model.embed_tokens = NoEmbeddings(ckpt.config.vocab_size, device, dtype)
-    loader = _Loader(
+    loader = UnitLoader(
         ckpt,
         model,
         device,
@@ -100,7 +100,7 @@ def load_adapted_layers(
         disable=not progress,
     ):
         loader.load_unit(prefix)
-    _finish(model, ckpt, device, dtype)
+    finish_load(model, ckpt, device, dtype)
     return model
 
 

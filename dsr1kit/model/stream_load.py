@@ -250,7 +250,7 @@ class _UnitReader:
         self.handles.clear()
 
 
-def _nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, compute_dtype) -> nn.Module:
+def nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, compute_dtype) -> nn.Module:
     """A bitsandbytes Linear4bit (NF4, double quant, blocksize 64) as BitsAndBytesConfig would make."""
     import bitsandbytes as bnb
 
@@ -272,7 +272,7 @@ def _nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, c
     return new
 
 
-class _Loader:
+class UnitLoader:
     """Fills one meta-device model, unit by unit."""
 
     def __init__(self, ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts):
@@ -292,7 +292,7 @@ class _Loader:
                     self._experts(reader, full, module, device)
                 elif isinstance(module, nn.Linear) and self._quantize_linear(full):
                     weight = reader.read(f"{full}.weight", tuple(module.weight.shape), device, self.dtype)
-                    self._replace(full, _nf4_linear(module, weight, device, self.dtype))
+                    self._replace(full, nf4_linear(module, weight, device, self.dtype))
                 else:
                     self._direct(reader, full, module, device)
         finally:
@@ -407,17 +407,17 @@ def load_streaming(
         check_expected_config(ckpt.config, expect_config)
     model = skeleton(ckpt.config)
     check_matches_config(ckpt, model)
-    loader = _Loader(ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts)
+    loader = UnitLoader(ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts)
     for prefix in tqdm(units(model), desc=f"loading {ckpt.path.name}", unit="unit", disable=not progress):
         if prefix == "lm_head" and model.config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
             continue
         loader.load_unit(prefix)
-    _finish(model, ckpt, device_map, dtype)
+    finish_load(model, ckpt, device_map, dtype)
     return model
 
 
-def _finish(model: nn.Module, ckpt: Checkpoint, device_map: DeviceMap, dtype: torch.dtype) -> None:
+def finish_load(model: nn.Module, ckpt: Checkpoint, device_map: DeviceMap, dtype: torch.dtype) -> None:
     """Rebuild the non-persistent rotary buffers, check nothing stayed on meta, mark 4-bit for PEFT."""
     import bitsandbytes as bnb
 

@@ -75,7 +75,6 @@ def hari_plan(
     inv = inv or _inv(c.model, c.trust_remote_code)
     if c.from_prefix_cache:
         return _cached_hari_plan(c, machine, inv)
-    gpus = 0 if c.device_map == "cpu" else machine.gpus
     work = Workload(
         _dtype_bytes(c.dtype),
         c.quantization == "nf4",
@@ -86,23 +85,27 @@ def hari_plan(
         lora_params=_lora(inv, c),
         from_pretrained=not c.quantize_experts,
     )
-    devices = _devices(inv, machine, work, gpus, c.device_map if gpus else "contiguous")
-    plan = Plan(
+    return _whole_model_plan(
         "HARI load + step",
-        devices,
-        _facts(
-            inv,
-            c.quantization,
-            c.quantize_experts,
-            c.dtype,
-            gpus,
-            c.device_map,
-            f"{c.batch_size} x {c.max_len}",
-            machine,
-        ),
+        c,
+        machine,
+        inv,
+        work,
+        f"{c.batch_size} x {c.max_len}",
+        hari_plan if advise else None,
     )
-    if advise and not plan.fits:
-        plan.advice = training_advice(c, machine, inv, hari_plan)
+
+
+def _whole_model_plan(
+    title, c: TrainingInputs, machine: Machine, inv: Inventory, work: Workload, shape: str, planner=None
+) -> Plan:
+    """The model loaded whole as notebook 20 loads it, plus ``work``; ``planner`` advises when it does not fit."""
+    gpus = 0 if c.device_map == "cpu" else machine.gpus
+    devices = _devices(inv, machine, work, gpus, c.device_map if gpus else "contiguous")
+    facts = _facts(inv, c.quantization, c.quantize_experts, c.dtype, gpus, c.device_map, shape, machine)
+    plan = Plan(title, devices, facts)
+    if planner is not None and not plan.fits:
+        plan.advice = training_advice(c, machine, inv, planner)
     return plan
 
 
@@ -155,7 +158,6 @@ def prefix_pass_plan(
     """The prefix pass: the model loaded as for HARI, forward only, micro-batches of prefix_tokens_per_batch."""
     c = inputs
     inv = inv or _inv(c.model, c.trust_remote_code)
-    gpus = 0 if c.device_map == "cpu" else machine.gpus
     work = Workload(
         _dtype_bytes(c.dtype),
         c.quantization == "nf4",
@@ -164,24 +166,15 @@ def prefix_pass_plan(
         from_pretrained=not c.quantize_experts,
         train=False,
     )
-    devices = _devices(inv, machine, work, gpus, c.device_map if gpus else "contiguous")
-    plan = Plan(
+    return _whole_model_plan(
         "prefix pass (load + forward)",
-        devices,
-        _facts(
-            inv,
-            c.quantization,
-            c.quantize_experts,
-            c.dtype,
-            gpus,
-            c.device_map,
-            f"{c.prefix_tokens_per_batch} per micro-batch",
-            machine,
-        ),
+        c,
+        machine,
+        inv,
+        work,
+        f"{c.prefix_tokens_per_batch} per micro-batch",
+        prefix_pass_plan if advise else None,
     )
-    if advise and not plan.fits:
-        plan.advice = training_advice(c, machine, inv, prefix_pass_plan)
-    return plan
 
 
 def inspect_plan(

@@ -78,15 +78,12 @@ def plan_inputs(p) -> InspectionInputs:
     )
 
 
-def memory_plans(p, adapter: Adapter, machine: Machine | None = None) -> dict[str, Plan]:
-    """The inspection's load + probes, and (with merge_out) the merge's fp32 logits check, on this node."""
-    return inspection_plans(plan_inputs(p), base_model_name(p, adapter), machine or Machine.detect())
-
-
-def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
-    """Notebook 30's plans before its adapter exists (the look-ahead): base_model, or the embedded model."""
-    plans = inspection_plans(plan_inputs(p), p.base_model or "tiny", machine or Machine.detect())
-    return list(plans.values())
+def memory_plan(p, machine: Machine | None = None, adapter: Adapter | None = None) -> list[Plan]:
+    """The inspection's load + probes, then (with merge_out) the merge's fp32 logits check, on ``machine``
+    (this node by default). Without an adapter (the look-ahead, before training) base_model is planned,
+    or the embedded model."""
+    base = base_model_name(p, adapter) if adapter else (p.base_model or "tiny")
+    return list(inspection_plans(plan_inputs(p), base, machine or Machine.detect()).values())
 
 
 def load_config(p, adapter: Adapter) -> LoadConfig:
@@ -211,7 +208,7 @@ __all__ = [
     "describe",
     "write_summary",
     "find_adapter",
-    "memory_plans",
+    "memory_plan",
     "read_adapter",
     "inspect_adapter",
     "load_config",

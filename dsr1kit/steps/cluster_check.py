@@ -95,7 +95,7 @@ def ray_check(p, ranks: Ranks) -> tuple[dict | None, list[checks.Row]]:
     return state, rows
 
 
-def memory_plans(p) -> list[tuple[str, Any]]:
+def step_plans(p) -> list[tuple[str, Any]]:
     """Each plan_files entry planned against the GPUs and host memory found here."""
     from ..plan import Machine
     from .plans import plans_for_files

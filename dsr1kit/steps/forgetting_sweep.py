@@ -10,15 +10,14 @@ model's accuracies are measured once (``base.json``) and shared by every
 point. With ``hari: {prefix_cache: auto}`` every point trains from one prefix
 cache (λ and seed are not part of its fingerprint); under a job array, fill
 it first (``python -m dsr1kit train --prefix-only`` with the same settings)
-so that the array's tasks do not all build it at once.
+so that the array's tasks do not all build it at once. ``python -m dsr1kit sweep-point`` runs one
+point (a job array task) or counts them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,47 +151,3 @@ def verdict(results: list[PointResult]) -> Verdict:
     """The sweep's verdict (``measure.sweep.sweep_verdict``); no λ = 0 or no λ > 0 fails the run."""
     v = sweep_verdict(results)
     return Verdict(v.status, v.headline, v.lines, SweepFailed)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dsr1kit.steps.forgetting_sweep -f PARAMS --run-dir DIR --point N`: one point (a job array
-    task); `--count` prints the number of points (the array's size) and runs nothing."""
-    from ..params import ParamsError, load, parse_override
-
-    ap = argparse.ArgumentParser(prog="python -m dsr1kit.steps.forgetting_sweep", description=main.__doc__)
-    ap.add_argument("-f", "--params-file", action="append", default=[])
-    ap.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
-    ap.add_argument("--run-dir", default="", help="the sweep's run folder (needed with --point)")
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--point", type=int)
-    group.add_argument("--count", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        p = load(
-            "40_forgetting_sweep",
-            args.params_file,
-            {**{k: parse_override(v) for k, v in args.param}, "run_dir": args.run_dir},
-        )
-    except ParamsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    todo = points(p)
-    if args.count:
-        print(len(todo))
-        return 0
-    if not args.run_dir:
-        print("error: --point needs --run-dir (the sweep's run folder)", file=sys.stderr)
-        return 2
-    if not 0 <= args.point < len(todo):
-        print(
-            f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",
-            file=sys.stderr,
-        )
-        return 2
-    result = run_point(p, todo[args.point], args.run_dir)
-    print(json.dumps(result.to_dict()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

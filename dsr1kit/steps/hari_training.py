@@ -459,10 +459,19 @@ def check_resume(p):
     return checkpoint.check_resumable(p.run_dir, p.to_dict()) if p.resume else None
 
 
-def verdict(
-    result: TrainResult, prep: Prepared, outputs: dict[str, Any], history: list[dict[str, Any]]
-) -> Verdict:
+@dataclass
+class TrainingRun:
+    """What the verdict reads: the loop's result, the prepared model, the outputs written, the metric lines."""
+
+    result: TrainResult
+    prep: Prepared
+    outputs: dict[str, Any]
+    history: list[dict[str, Any]]
+
+
+def verdict(run: TrainingRun) -> Verdict:
     """ok when every step ran, every adapted module's lora_B is non-zero and the adapter was written."""
+    result, prep, outputs, history = run.result, run.prep, run.outputs, run.history
     norms = lora_b_norms(prep.model)
     zero = [m for m, v in norms.items() if v == 0.0]
     steps_line = f"steps done: {result.steps_done} of {result.total_steps}" + (

@@ -1,5 +1,5 @@
 """Notebook 40's parameters and its one-point runner; the sweep itself runs end to end (Slurm job array, then the
-notebook) in tests/test_forgetting_sweep_sbatch.py, which checks the report against the points' own results."""
+notebook) in tests/test_slurm_forgetting_sweep.py, which checks the report against the points' own results."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ REDUCED = ["-p", "lambdas", "[0, 0.9]", "-p", "seeds", "[0, 1]"]
 
 
 def test_the_runner_counts_points_and_refuses_one_outside_the_sweep(tmp_path):
-    base = [sys.executable, "-m", "dsr1kit.steps.forgetting_sweep", *REDUCED]
+    base = [sys.executable, "-m", "dsr1kit", "sweep-point", *REDUCED]
     count = subprocess.run([*base, "--count"], capture_output=True, text=True, cwd=ROOT)
     assert count.returncode == 0 and count.stdout.strip() == "4"
     bad = subprocess.run(

@@ -274,4 +274,4 @@ def test_inspection_job_loads_r1_as_training_does(slurm, runs, hari, tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     load = _summary(run_dir)["base_load"]
     assert (load["quantization"], load["quantize_experts"]) == ("nf4", True)
-    assert _summary(run_dir)["memory_plan"]["inspect"]["fits"]
+    assert _summary(run_dir)["memory_plan"][0]["fits"]

@@ -294,3 +294,47 @@ def test_training_joins_ranks_without_the_cluster_checks():
     loaded = _loaded_by("dsr1kit.train.dist")
     assert NEUTRAL in loaded
     assert not {m for m in loaded if m.startswith("dsr1kit.cluster.") and m != NEUTRAL}, sorted(loaded)
+
+
+def _top_functions(module: str) -> dict[str, ast.FunctionDef]:
+    tree = ast.parse(MODULES[module].read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def test_every_notebook_step_has_the_same_shape():
+    """One ``verdict(result)`` per step module; a step that plans memory does it as
+    ``memory_plan(p, machine=None, …)``, the name steps/plans.py and notebook 00 look for."""
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    step_modules = [f"dsr1kit.steps.{nb.stem.split('_', 1)[1]}" for nb in notebooks]
+    assert len(step_modules) >= 5 and all(m in MODULES for m in step_modules), step_modules
+    wrong = []
+    for m in step_modules:
+        functions = _top_functions(m)
+        verdict = functions.get("verdict")
+        if verdict is None or len(verdict.args.args) != 1:
+            wrong.append(f"{m}: verdict must take one result")
+        plan = functions.get("memory_plan")
+        if plan is not None and [a.arg for a in plan.args.args[:2]] != ["p", "machine"]:
+            wrong.append(f"{m}: memory_plan must start (p, machine)")
+        wrong += [f"{m}: {name} beside memory_plan" for name in functions if name == "memory_plans"]
+        if "main" in functions:
+            wrong.append(f"{m}: a command line of its own (it belongs in dsr1kit/cli/)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_name_crosses_a_module():
+    """A name with a leading underscore is its module's own: another module of the library or a bench script
+    that needs it asks for it to be made public, so a rename inside a module never breaks another."""
+    sources = [*MODULES.values(), *sorted((ROOT / "bench").glob("*.py"))]
+    crossing = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level > 0 or (node.module or "").split(".")[0] in ("dsr1kit", "bench")
+            ):
+                crossing += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    assert not crossing, "\n".join(crossing)
