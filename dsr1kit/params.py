@@ -282,6 +282,55 @@ class InferenceParams(NotebookParams):
     retries: int = Field(
         3, ge=0, description="Retries per request on connection errors and 5xx (with backoff)"
     )
+    judge_url: str = Field(
+        "",
+        description="Judge of HLE-style rows: '' none (scored by exact match, and said so); 'served': "
+        "the model this notebook serves; or an OpenAI-compatible endpoint (http://host:port)",
+        json_schema_extra=section("judge"),
+    )
+    judge_model: str = Field("", description="Model name at judge_url; '' with 'served': the served model")
+    judge_key_env: str = Field(
+        "",
+        description="Name of the environment variable holding judge_url's API key (never the key); '': none",
+    )
+    judge_max_tokens: int = Field(4096, ge=16, description="Tokens per judgment (HLE's judge script: 4096)")
+    lm_eval_tasks: list[str] = Field(
+        [],
+        description="lm-evaluation-harness tasks run on each served model: lm-eval's names, or paths of task "
+        "YAML files (e.g. over a local jsonl); []: none",
+        json_schema_extra=section("lm-evaluation-harness"),
+    )
+    lm_eval_model: Literal["local-chat-completions", "local-completions"] = Field(
+        "local-chat-completions",
+        description="chat: generative tasks, chat template applied by the server, reasoning cut at </think>; "
+        "completions: log-likelihood tasks",
+    )
+    lm_eval_args: list[str] = Field(
+        [], description="Extra `lm_eval run` arguments, verbatim (e.g. --limit 50)"
+    )
+
+    @field_validator("judge_url")
+    @classmethod
+    def _judge_url_form(cls, value: str) -> str:
+        if value not in ("", "served") and not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError("give '', 'served' or an http(s):// URL of an OpenAI-compatible endpoint")
+        return value.rstrip("/")
+
+    @field_validator("judge_key_env")
+    @classmethod
+    def _judge_key_is_a_name(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", value):
+            raise ValueError(
+                "names the environment variable that holds the judge's key (e.g. OPENAI_API_KEY), not the "
+                "key itself: export the key under that name"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _judge_endpoint_needs_a_model(self):
+        if self.judge_url not in ("", "served") and not self.judge_model:
+            raise ValueError(f"judge_url {self.judge_url!r} needs judge_model (the model name it serves)")
+        return self
 
     @property
     def client_concurrency(self) -> int:

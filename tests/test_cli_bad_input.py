@@ -366,3 +366,17 @@ def test_bad_adapter_stops_the_first_cell_with_its_cause(case, notebook, key, va
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and "steps.begin" in status["failed_cell"]["source"]  # the first cell
     assert not (run_dir / "logs").exists()  # no server was started
+
+
+def test_an_eval_set_no_adapter_reads_is_refused_before_any_run_folder(tmp_path):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text(json.dumps({"text": "q", "label": 1}) + "\n")
+    runs = tmp_path / "runs"
+    proc = run_cli(
+        "run", "notebooks/10_vllm_inference.ipynb", "-p", "eval_dataset", str(bad), "--runs-dir", str(runs)
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: eval_dataset {bad}: no benchmark adapter reads columns ['label', 'text']. Known: HLE" in (
+        proc.stderr
+    )
+    assert not runs.exists()  # no run folder, no server

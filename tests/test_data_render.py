@@ -101,17 +101,17 @@ def test_templates_that_keep_the_content_render_it_as_written(tokenizers, name):
 
 
 def test_training_prompt_is_the_evaluation_prompt(tokenizers):
-    from dsr1kit.infer.evaluate import build_prompts
+    from dsr1kit.infer.evaluate import build_prompts, items_of
 
     for tok in tokenizers.values():
-        [prompt] = build_prompts([ROW], tok, chat.DEFAULT_SYSTEM)
+        [prompt] = build_prompts(items_of([ROW]), tok, chat.DEFAULT_SYSTEM)
         ids, labs, _ = labels.encode_messages(tok, chat.to_messages(ROW), max_len=10_000)
         assert ids[: len(prompt.token_ids)] == prompt.token_ids
         assert (
             labs[len(prompt.token_ids) - 1] == labels.IGNORE and labs[len(prompt.token_ids)] != labels.IGNORE
         )
-    assert build_prompts([ROW], tokenizers["r1"], chat.DEFAULT_SYSTEM)[0].reasoning_open
-    assert not build_prompts([ROW], tokenizers["tiny"], chat.DEFAULT_SYSTEM)[0].reasoning_open
+    assert build_prompts(items_of([ROW]), tokenizers["r1"], chat.DEFAULT_SYSTEM)[0].reasoning_open
+    assert not build_prompts(items_of([ROW]), tokenizers["tiny"], chat.DEFAULT_SYSTEM)[0].reasoning_open
 
 
 def test_template_without_generation_prompt_that_rewrites_content_is_refused(tokenizers):

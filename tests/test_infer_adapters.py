@@ -59,7 +59,9 @@ def sequences(llama):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(llama["base"])
-    prompts = ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl", limit=3), tok, "You are DeepSeek-R1.")
+    prompts = ev.build_prompts(
+        ev.load_items("data/eval_tiny.jsonl", limit=3).items, tok, "You are DeepSeek-R1."
+    )
     return [pr.token_ids for pr in prompts]
 
 
@@ -131,7 +133,7 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     )
     session = ServedEval(p, tmp_path, llama["base"], Path(llama["attn"]))
     prompts = ev.build_prompts(
-        ev.load_rows("data/eval_tiny.jsonl", limit=4),
+        ev.load_items("data/eval_tiny.jsonl", limit=4).items,
         AutoTokenizer.from_pretrained(llama["base"]),
         "You are DeepSeek-R1.",
     )

@@ -71,7 +71,8 @@ def test_free_form_answers(text, expected):
 
 def test_scores_count_unparseable_as_wrong_and_report_the_rules():
     prompts = [
-        ev.Prompt(f"q{i}", [1], "B", "planets", 4, OPTIONS, reasoning_open=True) for i in range(len(R1_CASES))
+        ev.Prompt(f"q{i}", [1], "B", "planets", "choice", OPTIONS, reasoning_open=True)
+        for i in range(len(R1_CASES))
     ]
     answers = {p.id: {"text": text} for p, (text, _, _) in zip(prompts, R1_CASES)}
     per_example, table = ev.score(prompts, answers)

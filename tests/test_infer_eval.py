@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -20,16 +21,16 @@ def tokenizer(tiny_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl"), tokenizer, "You are DeepSeek-R1.")
+    return ev.build_prompts(ev.load_items("data/eval_tiny.jsonl").items, tokenizer, "You are DeepSeek-R1.")
 
 
 def test_prompts_use_the_training_chat_format(tokenizer, prompts):
     from dsr1kit.data.chat import to_messages
 
-    row = ev.load_rows("data/eval_tiny.jsonl")[0]
+    row = ev.load_items("data/eval_tiny.jsonl").items[0]
     text = tokenizer.decode(prompts[0].token_ids)
     assert text == tokenizer.apply_chat_template(
-        to_messages(row, "You are DeepSeek-R1.", with_answer=False),
+        to_messages(row.to_row(), "You are DeepSeek-R1.", with_answer=False),
         tokenize=False,
         add_generation_prompt=True,
     )
@@ -42,16 +43,18 @@ def test_context_filter_counts_and_lists_excluded_ids(prompts):
     ctx = ev.filter_by_context(prompts, max_model_len=budget + 8, max_new_tokens=8)
     too_long = {p.id for p in prompts if len(p.token_ids) > budget}
     assert 0 < len(too_long) < len(prompts)
-    assert {e["id"] for e in ctx.excluded} == too_long
+    assert {e.id for e in ctx.excluded} == too_long and {e.reason for e in ctx.excluded} == {
+        "over the context"
+    }
     assert len(ctx.kept) + len(ctx.excluded) == ctx.total == 96
-    assert ctx.describe().startswith(f"scored on {96 - len(too_long)} of 96")
+    assert ctx.describe().startswith(f"{96 - len(too_long)} of 96 prompts fit")
 
 
 def test_scores_report_n_of_big_n_after_filtering(prompts):
     ctx = ev.filter_by_context(prompts, max_model_len=10_000, max_new_tokens=8)
     kept = ctx.kept[:60]
     answers = {p.id: {"text": f"<answer>\n{p.gold}\n</answer>"} for p in kept[:30]}
-    _, table = ev.score(kept, answers, ev.category_totals(prompts))
+    _, table = ev.score(kept, answers, dict(Counter(p.category for p in prompts)))
     overall = table.iloc[0]
     assert (overall["category"], overall["n"], overall["N"], overall["correct"]) == ("all", 60, 96, 30)
     assert overall["scored_on"] == "60 of 96"

@@ -24,7 +24,7 @@ def prompts(tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    return ev.build_prompts(ev.load_rows("data/eval_tiny.jsonl"), tok, "You are DeepSeek-R1.")
+    return ev.build_prompts(ev.load_items("data/eval_tiny.jsonl").items, tok, "You are DeepSeek-R1.")
 
 
 def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path):

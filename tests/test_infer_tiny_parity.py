@@ -93,7 +93,9 @@ def test_served_greedy_logprobs_match_transformers(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = ev.build_prompts(
-        ev.load_rows("data/eval_tiny.jsonl"), AutoTokenizer.from_pretrained(tiny_dir), "You are DeepSeek-R1."
+        ev.load_items("data/eval_tiny.jsonl").items,
+        AutoTokenizer.from_pretrained(tiny_dir),
+        "You are DeepSeek-R1.",
     )
     ids = [p.token_ids for p in prompts[:: len(prompts) // N_PROMPTS][:N_PROMPTS]]
     p = cpu_params()

@@ -12,6 +12,8 @@ from dsr1kit.run import parameters_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(ROOT.glob("params/*/*.yaml"))
+# Overlays (params/SET/NAME/STEP.yaml): a benchmark's keys, layered on the set's own STEP.yaml.
+OVERLAYS = sorted(ROOT.glob("params/*/*/*.yaml"))
 
 
 def test_params_sets_are_shipped():
@@ -25,10 +27,28 @@ def test_every_shipped_params_file_validates(path):
     assert p.notebook == path.stem
 
 
+@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.stem}")
+def test_every_overlay_validates_on_its_set(path):
+    base = path.parent.parent / path.name
+    p = P.load(path.stem, [base, path])
+    assert p.notebook == path.stem and base.is_file()
+    command = " ".join(path.read_text().splitlines()[:3])
+    assert f"{base.relative_to(ROOT)} -f {path.relative_to(ROOT)}" in command
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_shipped_params_file_starts_with_its_command(path):
     head = path.read_text().splitlines()[:3]
     assert any(("dsr1kit run" in line or "sbatch" in line) and path.name in line for line in head)
+
+
+def test_r1_benchmark_overlays_read_their_benchmarks():
+    from dsr1kit.benchmarks.registry import adapter_by_repo
+
+    d = ROOT / "params" / "r1-671b-2x8h100"
+    for name, adapter in (("hle", "HLE"), ("medmcqa", "MedMCQA")):
+        p = P.load("10_vllm_inference", [d / "10_vllm_inference.yaml", d / name / "10_vllm_inference.yaml"])
+        assert adapter_by_repo(p.eval_dataset).name == adapter and p.model == "deepseek-ai/DeepSeek-R1-0528"
 
 
 def test_r1_set_carries_the_recipe_values():

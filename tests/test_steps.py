@@ -158,8 +158,9 @@ def test_several_eval_sets_are_read_per_set_and_ids_must_not_clash(tmp_path):
     b.write_text(
         "".join(json.dumps({"id": f"b{i}", "question": "q", "answer": "y"}) + "\n" for i in range(3))
     )
-    rows = evaluate.load_rows(f"{a}, {b}", limit=2)
-    assert [r["id"] for r in rows] == ["a0", "a1", "b0", "b1"]  # the limit is per set
-    assert len(evaluate.load_rows(f"{a},{b}")) == 8
+    items = evaluate.load_items(f"{a}, {b}", limit=2).items
+    assert [i.id for i in items] == ["a0", "a1", "b0", "b1"]  # the limit is per set
+    assert [i.source for i in items] == [str(a)] * 2 + [str(b)] * 2
+    assert evaluate.load_items(f"{a},{b}").asked == 8
     with pytest.raises(ValueError, match="'a0' is in both"):
-        evaluate.load_rows(f"{a},{a}")
+        evaluate.load_items(f"{a},{a}")

@@ -18,11 +18,13 @@ DEMO_ORDER = ("00_cluster_check", "20_hari_training", "10_vllm_inference", "30_a
 def _cmd_run(args: argparse.Namespace) -> int:
     from ..run.report import NotebookFailed, find_notebook, run_notebook
     from ..steps import parameters as params
+    from ..steps import preflight
 
     values = overrides(args)
     try:
         notebook = find_notebook(args.notebook)
         p = params.load(notebook, args.params_file, values)
+        preflight.check(notebook, p)
         result = run_notebook(
             notebook,
             p.to_dict(),
@@ -32,7 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             log_output=not args.quiet,
         )
-    except (ParamsError, FileNotFoundError) as err:
+    except (ParamsError, preflight.BadInput, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except NotebookFailed as err:

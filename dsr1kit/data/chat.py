@@ -17,7 +17,7 @@ OPTION_KEYS = ("choices", "options")
 DEFAULT_SYSTEM = "You are DeepSeek-R1."
 
 
-def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
+def first_of(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
     for k in keys:
         v = row.get(k)
         if v is not None and (not isinstance(v, str) or v.strip()):
@@ -26,7 +26,7 @@ def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def options_of(row: dict[str, Any]) -> list[str]:
-    opts = _first(row, OPTION_KEYS)
+    opts = first_of(row, OPTION_KEYS)
     if isinstance(opts, dict):  # {"label": [...], "text": [...]} as some hub sets store them
         opts = opts.get("text") or list(opts.values())
     return [str(o) for o in opts] if opts else []
@@ -34,7 +34,7 @@ def options_of(row: dict[str, Any]) -> list[str]:
 
 def user_text(row: dict[str, Any]) -> str | None:
     """The question with lettered options; None when the row has no question."""
-    question = _first(row, QUESTION_KEYS)
+    question = first_of(row, QUESTION_KEYS)
     if question is None:
         return None
     text = str(question).strip()
@@ -46,12 +46,12 @@ def user_text(row: dict[str, Any]) -> str | None:
 
 def rationale_of(row: dict[str, Any]) -> str | None:
     """The row's reasoning text (``cot``, ``rationale`` or ``explanation``), None when it has none."""
-    rationale = _first(row, RATIONALE_KEYS)
+    rationale = first_of(row, RATIONALE_KEYS)
     return None if rationale is None else str(rationale)
 
 
 def assistant_text(row: dict[str, Any]) -> str | None:
-    answer = _first(row, ANSWER_KEYS)
+    answer = first_of(row, ANSWER_KEYS)
     if answer is None:
         return None
     block = f"<answer>\n{str(answer).strip()}\n</answer>"

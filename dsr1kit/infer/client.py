@@ -9,7 +9,10 @@ how many answers were kept.
 
 Prompts are sent as token ids (``/v1/completions``), tokenized by the caller
 with the model's chat template, so the server adds nothing (no second BOS) and
-the prompt length is known exactly.
+the prompt length is known exactly. A client with ``chat=True`` sends messages to
+``/v1/chat/completions`` instead (a judge model behind any OpenAI-compatible
+endpoint). A server's key is read from the environment variable the client is
+given, at request time, and sent as a bearer token; it is never stored.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +53,9 @@ class ClientConfig:
 class Request:
     id: str
     prompt: list[int] | str
+    record: dict = field(
+        default_factory=dict
+    )  # kept beside the answer (e.g. the order options were asked in)
 
 
 @dataclass
@@ -116,24 +123,40 @@ class CompletionClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        chat: bool = False,
+        api_key_env: str = "",
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.chat = chat
+        self.api_key_env = api_key_env
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
 
+    def _headers(self) -> dict[str, str]:
+        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _key_note(self) -> str:
+        """What a 401/403 means for this client: which variable it read and whether it was set."""
+        if not self.api_key_env:
+            return "; the client sends no key (none is configured for this endpoint)"
+        state = "set" if os.environ.get(self.api_key_env) else "not set"
+        return f"; the key is read from ${self.api_key_env}, which is {state} in this environment"
+
     async def _post(self, http, payload: dict) -> dict:
         import aiohttp
 
         last: Exception | None = None
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
         for attempt in range(self.retries + 1):
             try:
                 async with http.post(
-                    f"{self.base_url}/v1/completions", json=payload, timeout=timeout
+                    f"{self.base_url}{path}", json=payload, timeout=timeout, headers=self._headers()
                 ) as resp:
                     text = await resp.text()
                 if resp.status in RETRY_STATUS:
@@ -141,9 +164,10 @@ class CompletionClient:
                 elif (
                     resp.status >= 400
                 ):  # a refused request does not get better by retrying, nor is it an answer
+                    note = self._key_note() if resp.status in (401, 403) else ""
                     raise RequestRefused(
                         f"the server refused a request for model '{self.model}' with HTTP "
-                        f"{resp.status}: {text[:300]}"
+                        f"{resp.status}: {text[:300]}{note}"
                     )
                 else:
                     return json.loads(text)
@@ -178,7 +202,7 @@ class CompletionClient:
         async def one(http, req: Request, sink) -> None:
             payload = {
                 "model": self.model,
-                "prompt": req.prompt,
+                ("messages" if self.chat else "prompt"): req.prompt,
                 "max_tokens": max_tokens,
                 "temperature": temperature,
                 **(extra or {}),
@@ -187,15 +211,16 @@ class CompletionClient:
                 t0 = time.perf_counter()
                 body = await self._post(http, payload)
                 latency = time.perf_counter() - t0
-            row = {"id": req.id, "model": self.model, "latency_s": round(latency, 4)}
+            row = {"id": req.id, "model": self.model, "latency_s": round(latency, 4), **req.record}
             if "error" in body:
                 row.update(text="", error=body["error"], prompt_tokens=0, completion_tokens=0)
                 stats.failed += 1
             else:
                 usage = body.get("usage") or {}
+                choice = body["choices"][0]
                 row.update(
-                    text=body["choices"][0]["text"],
-                    finish_reason=body["choices"][0].get("finish_reason"),
+                    text=choice["message"]["content"] if self.chat else choice["text"],
+                    finish_reason=choice.get("finish_reason"),
                     prompt_tokens=usage.get("prompt_tokens", 0),
                     completion_tokens=usage.get("completion_tokens", 0),
                 )

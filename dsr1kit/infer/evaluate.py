@@ -1,12 +1,13 @@
-"""Evaluation: dataset → prompts (training's chat format) → context filter → scores with intervals.
+"""Evaluation: dataset → benchmark items → prompts (training's chat format) → context filter → scores.
 
-Every score is reported as "scored on n of N": questions whose prompt plus
-``max_new_tokens`` do not fit the served context are excluded and listed, as
-the recipe learned with HLE (a subset score is not the benchmark's score).
-Prompts are the served prompts training labels after (`data.render`), and
-answers are read by `answers.parse_answer`: never from the reasoning, by
-rules whose use is counted, "unparseable" (scored wrong) when none reads one.
-Multiple-choice rows are scored on the option letter, others by normalised
+Every row asked for is accounted for: a benchmark adapter (``dsr1kit.benchmarks``) reads each row of the
+set's own schema into an item or excludes it with a reason (no gold, needs an image, unreadable), and
+questions whose prompt plus ``max_new_tokens`` do not fit the served context are excluded "over the
+context" — so every score is "scored on n of N" with N every row asked for, as the recipe learned with
+HLE (a subset score is not the benchmark's score). Prompts are the served prompts training labels after
+(`data.render`), and answers are read by `answers.parse_answer`: never from the reasoning, by rules whose
+use is counted, "unparseable" (scored wrong) when none reads one. Each item is scored as its benchmark's
+owners score it: choice on the option letter, math for equivalence (math-verify), others by normalised
 exact match.
 """
 
@@ -18,35 +19,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.chat import options_of, to_messages
+from ..benchmarks import CHOICE, JUDGED, MATH, OVER_CONTEXT, Adapted, ExcludedRow, Item, adapt
+from ..benchmarks.math_equiv import all_equivalent, equivalent
+from ..benchmarks.registry import adapter_by_repo
+from ..data.chat import to_messages
 from ..data.render import opens_reasoning, served_prompt
 from ..run.paths import resolve
+from .answers import TRUNCATED as UNPARSEABLE_TRUNCATED
 from .answers import UNPARSEABLE, normalize, parse_answer
 from .client import ClientConfig, CompletionClient, Request, read_answers
 
 Z95 = 1.959964
+NO_JUDGE = "no judge: exact match"
 
 
 @dataclass
 class Prompt:
     id: str
     token_ids: list[int]
-    gold: str
+    gold: str | list[str]
     category: str
-    n_options: int = 0  # > 0: multiple choice, gold is a letter
+    kind: str = "exact"  # how it is scored: choice, exact, math or judged (dsr1kit.benchmarks)
     options: list[str] = field(default_factory=list)
     reasoning_open: bool = (
         False  # the served prompt opened <think>: a completion without </think> is truncated
     )
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    question: str = ""  # the question as asked (a judge reads it beside the answer)
+
+    @property
+    def n_options(self) -> int:
+        """Options the answer is read among: the lettered ones, or those inside an HLE question."""
+        return len(self.options) if self.kind == CHOICE else int(self.meta.get("n_choices", 0))
 
     def request(self) -> Request:
-        return Request(self.id, self.token_ids)
+        return Request(self.id, self.token_ids, {"meta": self.meta} if self.meta else {})
 
 
 @dataclass
 class ContextFilter:
     kept: list[Prompt]
-    excluded: list[dict[str, Any]]  # {id, prompt_tokens}
+    excluded: list[ExcludedRow]  # reason "over the context", the prompt's length in the detail
     budget: int  # max prompt tokens allowed
 
     @property
@@ -55,34 +69,39 @@ class ContextFilter:
 
     def describe(self) -> str:
         return (
-            f"scored on {len(self.kept)} of {self.total}: {len(self.excluded)} excluded because prompt + "
+            f"{len(self.kept)} of {self.total} prompts fit: {len(self.excluded)} excluded because prompt + "
             f"max_new_tokens exceeds max_model_len (prompt budget {self.budget} tokens)"
         )
 
 
-def load_rows(dataset: str, limit: int = 0) -> list[dict[str, Any]]:
-    """Rows of one or more evaluation sets, comma-separated: each a local JSONL file or a hub dataset's
-    test split (``name`` or ``name@split``), at most `limit` rows from each (0: all).
-
-    Several sets make one evaluation whose per-category table keeps them apart (e.g. the new task and
-    the old one); ids must be unique across them, since answers are saved and resumed by id.
-    """
+def dataset_names(dataset: str) -> list[str]:
     names = [part.strip() for part in dataset.split(",") if part.strip()]
     if not names:
         raise ValueError(
             "eval_dataset is empty: give a JSONL file or hub dataset, or several comma-separated"
         )
-    rows, origin = [], {}
-    for name in names:
-        for row in _load_one(name, limit):
-            if row["id"] in origin:
-                raise ValueError(
-                    f"eval_dataset: id {row['id']!r} is in both {origin[row['id']]} and {name}; "
-                    "ids must be unique across the sets (answers are saved by id)"
-                )
-            origin[row["id"]] = name
-            rows.append(row)
-    return rows
+    return names
+
+
+def load_sets(dataset: str, limit: int = 0) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Rows of one or more evaluation sets, comma-separated: each a local JSONL file or a hub dataset
+    ``org/name[/config][@split]`` (the split its benchmark scores when none is named, else ``test``), at
+    most `limit` rows from each (0: all).
+
+    Several sets make one evaluation whose per-category table keeps them apart (e.g. the new task and
+    the old one); ids must be unique across them, since answers are saved and resumed by id.
+    """
+    return [(name, _load_one(name, limit)) for name in dataset_names(dataset)]
+
+
+def load_items(dataset: str, limit: int = 0) -> Adapted:
+    """Every row asked for, read by its benchmark's adapter: the items to ask and the rows excluded."""
+    return adapt(load_sets(dataset, limit))
+
+
+def items_of(rows: list[dict[str, Any]], name: str = "") -> list[Item]:
+    """Rows already in memory (the kit's schema or a hub one) as items; excluded rows are dropped."""
+    return adapt([(name, rows)]).items
 
 
 def _load_one(dataset: str, limit: int) -> list[dict[str, Any]]:
@@ -92,32 +111,38 @@ def _load_one(dataset: str, limit: int) -> list[dict[str, Any]]:
     else:
         from datasets import load_dataset
 
-        name, _, split = dataset.partition("@")
-        rows = [dict(r) for r in load_dataset(name, split=split or "test")]
-    for i, row in enumerate(rows):
-        row.setdefault("id", f"row-{i:06d}")
-        row["id"] = str(row["id"])
+        spec, _, split = dataset.partition("@")
+        parts = spec.split("/")
+        repo, config = "/".join(parts[:2]), "/".join(parts[2:]) or None
+        known = adapter_by_repo(repo)
+        split = split or (known.default_split if known else "test")
+        rows = [dict(r) for r in load_dataset(repo, config, split=split)]
     return rows[:limit] if limit else rows
 
 
-def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> list[Prompt]:
-    """Token ids of each row's served chat prompt (system + user, generation prompt added) and its gold answer."""
+def system_for(item: Item, system_prompt: str) -> str:
+    """The system turn: the run's system prompt, then the answer format the benchmark asks for (HLE's)."""
+    return "\n\n".join(part for part in (system_prompt, item.instructions) if part)
+
+
+def build_prompts(items: list[Item], tokenizer, system_prompt: str) -> list[Prompt]:
+    """Token ids of each item's served chat prompt (system + user, generation prompt added) and its gold."""
     prompts = []
-    for row in rows:
-        messages = to_messages(row, system_prompt, with_answer=False)
-        if messages is None or row.get("answer") is None:
-            continue
-        opts = options_of(row)
+    for item in items:
+        messages = to_messages(item.to_row(), system_for(item, system_prompt), with_answer=False)
         text, ids = served_prompt(tokenizer, messages)
         prompts.append(
             Prompt(
-                row["id"],
+                item.id,
                 ids,
-                str(row["answer"]).strip(),
-                str(row.get("category", "all")),
-                len(opts),
-                opts,
+                item.gold,
+                item.category,
+                item.kind,
+                list(item.options),
                 opens_reasoning(text),
+                item.source,
+                dict(item.meta),
+                item.question,
             )
         )
     return prompts
@@ -126,21 +151,79 @@ def build_prompts(rows: list[dict[str, Any]], tokenizer, system_prompt: str) -> 
 def filter_by_context(prompts: list[Prompt], max_model_len: int, max_new_tokens: int) -> ContextFilter:
     budget = max_model_len - max_new_tokens
     kept = [p for p in prompts if len(p.token_ids) <= budget]
-    excluded = [{"id": p.id, "prompt_tokens": len(p.token_ids)} for p in prompts if len(p.token_ids) > budget]
+    excluded = [
+        ExcludedRow(p.id, OVER_CONTEXT, f"{len(p.token_ids)} prompt tokens > {budget}", p.source, p.category)
+        for p in prompts
+        if len(p.token_ids) > budget
+    ]
     return ContextFilter(kept, excluded, budget)
+
+
+@dataclass
+class Accounting:
+    """N rows asked for = scored + excluded (each with its reason); the per-category N of the tables."""
+
+    kept: list[Prompt]
+    excluded: list[ExcludedRow]
+    asked: int
+
+    def __post_init__(self):
+        if len(self.kept) + len(self.excluded) != self.asked:
+            raise AssertionError(
+                f"{self.asked} rows asked for but {len(self.kept)} scored + {len(self.excluded)} excluded"
+            )
+
+    def totals(self) -> dict[str, int]:
+        """N per category: every row asked for, excluded ones included."""
+        out: dict[str, int] = {}
+        for category in [p.category for p in self.kept] + [e.category for e in self.excluded]:
+            out[category] = out.get(category, 0) + 1
+        return out
+
+    def reason_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.excluded:
+            out[row.reason] = out.get(row.reason, 0) + 1
+        return out
+
+    def describe(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.reason_counts().items()))
+        return f"scored on {len(self.kept)} of {self.asked}" + (f"; excluded: {reasons}" if reasons else "")
+
+
+def account(adapted: Adapted, context: ContextFilter) -> Accounting:
+    return Accounting(context.kept, adapted.excluded + context.excluded, adapted.asked)
 
 
 # -- answers
 
 
 def is_correct(prompt: Prompt, text: str) -> tuple[bool, str, str]:
-    """(correct, extracted prediction, rule that read it) for one generation."""
-    parsed = parse_answer(text, prompt.n_options, prompt.options, prompt.reasoning_open)
+    """(correct, extracted prediction, rule that read it) for one generation, scored by the item's kind."""
+    n_options = prompt.n_options
+    parsed = parse_answer(text, n_options, prompt.options, prompt.reasoning_open)
     if parsed.value is None:
         return False, "", parsed.rule
-    if prompt.n_options:
-        return parsed.value == prompt.gold.strip().upper()[:1], parsed.value, parsed.rule
-    return normalize(parsed.value) == normalize(prompt.gold), parsed.value, parsed.rule
+    gold = prompt.gold
+    if n_options:
+        ok = parsed.value == str(gold).strip().upper()[:1]
+    elif prompt.kind == MATH:
+        ok = all_equivalent(parsed.value, gold if isinstance(gold, list) else [gold])
+    elif prompt.kind == JUDGED:
+        ok = normalize(parsed.value) == normalize(gold) or equivalent(parsed.value, str(gold))
+    else:
+        ok = normalize(parsed.value) == normalize(gold)
+    rule = f"{parsed.rule} ({NO_JUDGE})" if prompt.kind == JUDGED else parsed.rule
+    return ok, parsed.value, rule
+
+
+def _judged(judgments: dict[str, Any], prompt_id: str) -> tuple[bool, str, str]:
+    if prompt_id not in judgments:
+        return False, "", "not judged"
+    judgment = judgments[prompt_id]
+    if judgment is None:
+        return False, "", "judge output unreadable"
+    return judgment.correct, judgment.extracted, "judge"
 
 
 # -- scores
@@ -157,10 +240,16 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: dict[str, int] | None = None):
+def score(
+    prompts: list[Prompt],
+    answers: dict[str, dict],
+    total_by_category: dict[str, int] | None = None,
+    judgments: dict[str, Any] | None = None,
+):
     """Per-example DataFrame and a per-category accuracy table (with 'all') carrying n of N and the 95% CI.
 
-    ``total_by_category`` is N before the context filter; rows with no answer count as wrong.
+    ``total_by_category`` is N, every row asked for; rows with no answer count as wrong. ``judgments``
+    (id → ``judge.Judgment``, None where the judge's output did not parse) decide the judged rows.
     """
     import pandas as pd
 
@@ -168,11 +257,14 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
     for p in prompts:
         ans = answers.get(p.id) or {}
         ok, pred, rule = is_correct(p, ans.get("text", "")) if ans else (False, "", "no answer")
+        if ans and p.kind == JUDGED and judgments is not None and not rule.startswith(UNPARSEABLE_TRUNCATED):
+            ok, pred, rule = _judged(judgments, p.id)
         rows.append(
             {
                 "id": p.id,
+                "kind": p.kind,
                 "category": p.category,
-                "gold": p.gold,
+                "gold": ", ".join(p.gold) if isinstance(p.gold, list) else p.gold,
                 "prediction": pred,
                 "correct": ok,
                 "rule": rule,
@@ -181,7 +273,7 @@ def score(prompts: list[Prompt], answers: dict[str, dict], total_by_category: di
             }
         )
     per_example = pd.DataFrame(
-        rows, columns=["id", "category", "gold", "prediction", "correct", "rule", "answered", "text"]
+        rows, columns=["id", "kind", "category", "gold", "prediction", "correct", "rule", "answered", "text"]
     )
     totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
     table = []
@@ -213,13 +305,6 @@ def rule_counts(per_example) -> dict[str, int]:
 def unparseable(per_example):
     """The rows no rule could read, with their text: what a reader checks before trusting the score."""
     return per_example[per_example["rule"].str.startswith(UNPARSEABLE)][["id", "gold", "rule", "text"]]
-
-
-def category_totals(prompts: list[Prompt]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for p in prompts:
-        out[p.category] = out.get(p.category, 0) + 1
-    return out
 
 
 def results_path(run_dir: str | Path, label: str) -> Path:

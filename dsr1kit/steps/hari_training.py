@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..benchmarks.registry import training_rows
 from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadConfig, LoadedModel, load_model
@@ -109,8 +110,10 @@ def load_tokenizer(p):
 
 
 def prepare_data(p, tokenizer) -> TrainingData:
+    """The dataset plan's rows, each read by its benchmark's adapter (a hub MedMCQA row trains as question +
+    options → the answer letter, its explanation as the reasoning), encoded as notebook 10 prompts."""
     loaded = load_rows(p.dataset, p.splits, p.sample_limit)
-    encoded = encode_rows(tokenizer, loaded.rows, p.max_len, p.system_prompt)
+    encoded = encode_rows(tokenizer, training_rows(loaded.rows), p.max_len, p.system_prompt)
     if not encoded.examples:
         raise ValueError(
             f"no trainable example: {encoded.skipped} rows lacked a question or answer and "

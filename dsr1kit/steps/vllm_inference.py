@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..infer import evaluate
+from ..infer import evaluate, harness, judge
 from ..infer.client import ClientConfig, read_answers
 from ..infer.server import ServerSpec, VLLMServer
 from ..plan import Machine, Plan, ServingInputs, reference_plan, serve_plan
@@ -56,7 +56,7 @@ def server_spec(
         seed=p.seed,
         lora_modules=dict(lora_modules or {}),
         max_lora_rank=p.max_lora_rank if max_lora_rank is None else max_lora_rank,
-        extra_args=tuple(p.extra_args),
+        extra_args=tuple(p.extra_args) + (judge.SERVED_JUDGE_ARGS if p.judge_url == "served" else ()),
         env=dict(p.server_env),
     )
 
@@ -82,6 +82,39 @@ def client_config(p) -> ClientConfig:
         retries=p.retries,
         max_tokens=p.max_new_tokens,
         temperature=p.temperature,
+    )
+
+
+def judge_config(p, served_url: str, served_name: str) -> judge.JudgeConfig | None:
+    """Where HLE-style rows are judged: None without a judge; 'served': the model being evaluated, on its own
+    server (a rehearsal of the protocol, not HLE's judge); else the endpoint and model the parameters name."""
+    if not p.judge_url:
+        return None
+    served = p.judge_url == "served"
+    return judge.JudgeConfig(
+        base_url=served_url if served else p.judge_url,
+        model=p.judge_model or served_name if served else p.judge_model,
+        api_key_env=p.judge_key_env,
+        concurrency=p.client_concurrency,
+        timeout_s=p.request_timeout_s,
+        retries=p.retries,
+        max_tokens=p.judge_max_tokens,
+        max_chars=judge.SERVED_JUDGE_MAX_CHARS if served else 0,
+    )
+
+
+def harness_config(p, tokenizer_path: str) -> harness.HarnessConfig:
+    """How lm-eval asks the served model: as many requests in flight as the evaluation, R1's </think> cut."""
+    return harness.HarnessConfig(
+        tasks=tuple(p.lm_eval_tasks),
+        model_type=p.lm_eval_model,
+        num_concurrent=p.client_concurrency,
+        max_retries=p.retries,
+        timeout_s=p.request_timeout_s,
+        system_prompt=p.system_prompt,
+        think_end_token="</think>",
+        tokenizer=tokenizer_path,
+        extra_args=tuple(p.lm_eval_args),
     )
 
 
@@ -116,39 +149,85 @@ def resolve_adapter(p, run_dir: str | Path):
 
 @dataclass
 class Prompts:
-    """The evaluation rows as served prompts, split by whether they fit the context."""
+    """Every evaluation row asked for: the served prompts that fit, and each row left out with its reason."""
 
-    context: Any  # evaluate.ContextFilter: kept and excluded prompts
-    totals: dict[str, int]
+    accounting: Any  # evaluate.Accounting: kept prompts + excluded rows = every row asked for
+    adapters: dict[str, str]  # evaluation set → the benchmark adapter that read it
+    budget: int  # prompt tokens that leave room for max_new_tokens
     served_example: str
 
     @property
     def kept(self):
-        return self.context.kept
+        return self.accounting.kept
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return self.accounting.totals()
 
     def describe(self) -> str:
-        lines = [self.context.describe()]
-        if self.context.excluded:
-            lines.append("excluded ids: " + ", ".join(e["id"] for e in self.context.excluded))
+        lines = [self.accounting.describe()]
+        lines += [f"{name}: read as {adapter}" for name, adapter in self.adapters.items()]
+        lines.append(f"prompt budget: {self.budget} tokens (max_model_len - max_new_tokens)")
         lines.append(f"first prompt as served: {self.served_example!r}")
         return "\n".join(lines)
 
+    def excluded_frame(self):
+        """One row per excluded row: its id, set, category, reason and detail (empty when none)."""
+        import pandas as pd
+
+        cols = ["id", "source", "category", "reason", "detail"]
+        return pd.DataFrame(
+            [{c: getattr(e, c) for c in cols} for e in self.accounting.excluded], columns=cols
+        )
+
     def summary(self) -> dict[str, Any]:
         return {
-            "n_total": self.context.total,
+            "n_total": self.accounting.asked,
             "n_scored": len(self.kept),
+            "excluded_by_reason": self.accounting.reason_counts(),
+            "excluded": [
+                {"id": e.id, "source": e.source, "reason": e.reason, "detail": e.detail}
+                for e in self.accounting.excluded
+            ],
+            "benchmark_adapters": self.adapters,
             "served_prompt_example": self.served_example,
-            "excluded_ids": [e["id"] for e in self.context.excluded],
         }
 
 
+def preflight(p) -> None:
+    """Every evaluation set loads and a benchmark adapter reads it, and a judge endpoint answers with the key
+    and model named, before any run folder or server."""
+    from ..benchmarks import UnknownSchema
+    from .preflight import BadInput
+
+    try:
+        evaluate.load_items(p.eval_dataset, p.eval_limit)
+    except UnknownSchema as err:
+        raise BadInput(f"eval_dataset {err}") from None
+    except (ValueError, FileNotFoundError, ConnectionError) as err:
+        raise BadInput(
+            f"eval_dataset {p.eval_dataset!r} cannot be read: {type(err).__name__}: {err}"
+        ) from None
+    if p.judge_url not in ("", "served"):
+        try:
+            judge.check_endpoint(p.judge_url, p.judge_model, p.judge_key_env)
+        except judge.JudgeUnreachable as err:
+            raise BadInput(f"judge_url: {err}") from None
+    if p.lm_eval_tasks:
+        try:
+            harness.check_tasks(tuple(p.lm_eval_tasks))
+        except harness.HarnessError as err:
+            raise BadInput(str(err)) from None
+
+
 def prepare_prompts(p, tokenizer) -> Prompts:
-    """Rows → chat prompts formatted as in training → the context filter (max_model_len - max_new_tokens)."""
-    rows = evaluate.load_rows(p.eval_dataset, p.eval_limit)
-    prompts = evaluate.build_prompts(rows, tokenizer, p.system_prompt)
+    """Rows → benchmark items (a schema no adapter reads stops here, before any server) → chat prompts
+    formatted as in training → the context filter (max_model_len - max_new_tokens)."""
+    adapted = evaluate.load_items(p.eval_dataset, p.eval_limit)
+    prompts = evaluate.build_prompts(adapted.items, tokenizer, p.system_prompt)
     ctx = evaluate.filter_by_context(prompts, p.max_model_len, p.max_new_tokens)
     served = tokenizer.decode(ctx.kept[0].token_ids) if ctx.kept else ""
-    return Prompts(ctx, evaluate.category_totals(prompts), served)
+    return Prompts(evaluate.account(adapted, ctx), adapted.adapters, ctx.budget, served)
 
 
 @contextlib.contextmanager
@@ -184,6 +263,8 @@ class ServedEval:
         )
         self.samples = None  # served-reference parity: the LoRA server's half, finished on the merge's server
         self.stats: dict = {}
+        self.judge_stats: dict = {}
+        self.harness: dict[str, dict] = {}  # label -> lm-eval's results JSON
         self.served_forms: dict[
             str, str
         ] = {}  # phase -> how the checkpoint is served (as stored, or a bf16 copy)
@@ -260,26 +341,15 @@ class ServedEval:
         return self.parity
 
     def evaluate(self, prompts) -> dict:
-        """label -> client Stats for the base and (served or merged) adapter; answers resume per label."""
+        """label -> client Stats for the base and (served or merged) adapter; answers resume per label. With a
+        judge, each label's judged rows are judged right after its answers, while its server is up."""
         from ..infer import adapters
 
         p, run_dir, client = self.p, self.run_dir, client_config(self.p)
         with stop_on_error(self.server):
-            self.stats["base"] = evaluate.run_eval(
-                self.server.base_url,
-                p.served_model_name,
-                prompts,
-                evaluate.results_path(run_dir, "base"),
-                client,
-            )
+            self._answer("base", p.served_model_name, prompts, client)
             if self.adapter and self.serve_lora:
-                self.stats["adapter"] = evaluate.run_eval(
-                    self.server.base_url,
-                    p.lora_name,
-                    prompts,
-                    evaluate.results_path(run_dir, "adapter"),
-                    client,
-                )
+                self._answer("adapter", p.lora_name, prompts, client)
         if self.adapter and not self.serve_lora:  # merge, then serve the merged copy
             self.server.stop()
             merged = adapters.merge_adapter(self.model_path, self.adapter, run_dir / "merged")
@@ -289,14 +359,20 @@ class ServedEval:
                     self.parity = adapters.served_parity(
                         self.samples, self.server.base_url, p.served_model_name, p.parity_tol
                     )
-                self.stats["adapter"] = evaluate.run_eval(
-                    self.server.base_url,
-                    p.served_model_name,
-                    prompts,
-                    evaluate.results_path(run_dir, "adapter"),
-                    client,
-                )
+                self._answer("adapter", p.served_model_name, prompts, client)
         return self.stats
+
+    def _answer(self, label: str, served_name: str, prompts, client: ClientConfig) -> None:
+        out = evaluate.results_path(self.run_dir, label)
+        self.stats[label] = evaluate.run_eval(self.server.base_url, served_name, prompts, out, client)
+        config = judge_config(self.p, self.server.base_url, served_name)
+        if config is not None and any(pr.kind == "judged" for pr in prompts):
+            self.judge_stats[label] = judge.judge(
+                prompts, read_answers(out), judge.judgments_path(self.run_dir, label), config
+            )
+        if self.p.lm_eval_tasks:
+            config = harness_config(self.p, str(self.model_path))
+            self.harness[label] = harness.run(config, self.server.base_url, served_name, self.run_dir, label)
 
     @property
     def adapter_how(self) -> str:
@@ -359,13 +435,29 @@ def category_changes(tables) -> list[str]:
     ]
 
 
-def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels):
-    """label -> accuracy table, and label -> per-example frame, from the answers files of the run."""
+def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels, judged: bool = False):
+    """label -> accuracy table, and label -> per-example frame, from the answers (and, ``judged``, the
+    judgments) files of the run."""
     tables, examples = {}, {}
     for label in labels:
         answers = read_answers(evaluate.results_path(run_dir, label))
-        examples[label], tables[label] = evaluate.score(prompts, answers, totals)
+        judgments = judge.read_judgments(judge.judgments_path(run_dir, label)) if judged else None
+        examples[label], tables[label] = evaluate.score(prompts, answers, totals, judgments)
     return tables, examples
+
+
+def judge_frame(run_dir: str | Path, examples):
+    """Per model, HLE's numbers over its judged rows: accuracy ± the Wald 95% half-width, the RMS calibration
+    error (with how it was binned); None when no row was judged."""
+    import pandas as pd
+
+    rows = []
+    for label, df in examples.items():
+        if not (df["kind"] == "judged").any():
+            continue
+        metrics = judge.hle_metrics(df, judge.read_judgments(judge.judgments_path(run_dir, label)))
+        rows.append({"model": label, **metrics})
+    return pd.DataFrame(rows) if rows else None
 
 
 def answer_rules_frame(examples):
@@ -446,3 +538,32 @@ def latency_figure(stats):
     ax.legend()
     plt.close(fig)
     return fig
+
+
+def judge_table(frame):
+    """judge_frame styled for the report: percentages, no index."""
+    shown = frame.assign(
+        accuracy=frame["accuracy"].map(lambda a: f"{a:.1%}"),
+        ci95=frame["ci95_half_width"].map(lambda h: f"± {h:.1%}"),
+        calibration_error=frame["calibration_error"].map(lambda c: f"{c:.1%}"),
+    )
+    cols = [
+        "model",
+        "accuracy",
+        "ci95",
+        "calibration_error",
+        "calibration_note",
+        "n",
+        "judged",
+        "correct",
+        "unreadable_judgments",
+    ]
+    return shown[cols].style.hide(axis="index")
+
+
+def harness_frame(results: dict[str, dict]):
+    """lm-eval's results per model: task, filter, metric, value and stderr (None when nothing was run)."""
+    import pandas as pd
+
+    rows = [{"model": label, **row} for label, r in results.items() for row in harness.results_rows(r)]
+    return pd.DataFrame(rows) if rows else None

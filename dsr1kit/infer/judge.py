@@ -1,0 +1,254 @@
+"""HLE's judge: a model behind an OpenAI-compatible endpoint reads each answer beside the gold and returns
+structured JSON (the extracted final answer, its reasoning, correct yes/no, the answer's confidence), with
+the prompt and fields of HLE's own judge script.
+
+The judge's output is constrained to that JSON schema (``response_format`` json_schema; vLLM decodes it
+with guided decoding), so every judgment parses. Judgments are appended per id to
+``judgments/<label>.jsonl`` as they arrive: a rerun judges only what is missing, and a judge that is down or
+refuses stops with its status (and, for 401/403, the key variable it read), losing nothing. An answer whose
+reasoning never closed is not sent: it has no final answer and is scored wrong as truncated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..benchmarks import JUDGED
+from .answers import after_reasoning
+from .client import CompletionClient, Request, Stats, read_answers
+
+# HLE's judge prompt, as its judge script sends it.
+JUDGE_PROMPT = """Judge whether the following [response] to [question] is correct or not based on the precise and unambiguous [correct_answer] below.
+
+[question]: {question}
+
+[response]: {response}
+
+Your judgement must be in the format and criteria specified below:
+
+extracted_final_answer: The final exact answer extracted from the [response]. Put the extracted answer as 'None' if there is no exact, final answer to extract from the response.
+
+[correct_answer]: {correct_answer}
+
+reasoning: Explain why the extracted_final_answer is correct or incorrect based on [correct_answer], focusing only on if there are meaningful differences between [correct_answer] and the extracted_final_answer. Do not comment on any background to the problem, do not attempt to solve the problem, do not argue for any answer different than [correct_answer], focus only on whether the answers match.
+
+correct: Answer 'yes' if extracted_final_answer matches the [correct_answer] given above, or is within a small margin of error for numerical problems. Answer 'no' otherwise, i.e. if there if there is any inconsistency, ambiguity, non-equivalency, or if the extracted answer is incorrect.
+
+
+confidence: The extracted confidence score between 0|\\%| and 100|\\%| from [response]. Put 100 if there is no confidence score available."""  # noqa: E501
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "extracted_final_answer": {"type": "string"},
+        "reasoning": {"type": "string"},
+        "correct": {"type": "string", "enum": ["yes", "no"]},
+        "confidence": {
+            "type": "integer"
+        },  # 0-100; clamped on reading (strict schemas of some APIs lack bounds)
+    },
+    "required": ["extracted_final_answer", "reasoning", "correct", "confidence"],
+    "additionalProperties": False,
+}
+CALIBRATION_BIN = 100  # HLE's bin size
+# A served model judging its own answers (a rehearsal of the protocol, e.g. the tiny model) is not a judge:
+# its JSON is kept short (no free whitespace, strings bounded) so that a judgment always closes.
+SERVED_JUDGE_ARGS = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
+SERVED_JUDGE_MAX_CHARS = 200
+
+
+def response_format(max_chars: int = 0) -> dict[str, Any]:
+    """The judgment's JSON schema as an OpenAI ``response_format``; ``max_chars`` > 0 bounds its strings and
+    the confidence to 0-100 (a small judge's digits can run on)."""
+    schema = json.loads(json.dumps(SCHEMA))
+    if max_chars:
+        for name in ("extracted_final_answer", "reasoning"):
+            schema["properties"][name]["maxLength"] = max_chars
+        schema["properties"]["confidence"].update(minimum=0, maximum=100)
+    return {"type": "json_schema", "json_schema": {"name": "hle_judgment", "schema": schema, "strict": True}}
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """Where the judge is and how it is asked: built from notebook 10's parameters by the step."""
+
+    base_url: str
+    model: str
+    api_key_env: str  # the environment variable holding the endpoint's key ("" for none); never the key
+    concurrency: int
+    timeout_s: float
+    retries: int
+    max_tokens: int
+    max_chars: int = 0  # > 0: the judgment's strings are bounded (a small served judge)
+
+
+@dataclass(frozen=True)
+class Judgment:
+    extracted: str
+    correct: bool
+    confidence: int  # 0-100, as the judge read it from the answer
+    reasoning: str
+
+
+class JudgeUnreachable(RuntimeError):
+    """The judge endpoint does not answer, refuses its key, or does not serve the model named."""
+
+
+def check_endpoint(base_url: str, model: str, api_key_env: str = "", timeout_s: float = 10.0) -> None:
+    """GET /v1/models on the judge: it answers, accepts the key, and serves ``model`` (raises otherwise)."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get(api_key_env, "") if api_key_env else ""
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            listed = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            where = (
+                f"${api_key_env} is {'set' if key else 'not set'}"
+                if api_key_env
+                else "judge_key_env is empty"
+            )
+            raise JudgeUnreachable(
+                f"the judge at {base_url} answered HTTP {err.code}: it wants an API key; the kit reads it from "
+                f"the variable judge_key_env names ({where}); export the key there, never as a parameter"
+            ) from None
+        raise JudgeUnreachable(f"the judge at {base_url} answered HTTP {err.code} on /v1/models") from None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise JudgeUnreachable(
+            f"the judge at {base_url} is not reachable ({reason}); start it or fix judge_url"
+        ) from None
+    if listed and model not in listed:
+        raise JudgeUnreachable(
+            f"the judge at {base_url} does not serve model {model!r}; it serves: {', '.join(map(str, listed[:10]))}"
+        )
+
+
+def judgments_path(run_dir: str | Path, label: str) -> Path:
+    return Path(run_dir) / "judgments" / f"{label}.jsonl"
+
+
+def requests_for(prompts, answers: dict[str, dict]) -> list[Request]:
+    """One judge request per judged prompt that has an answer whose reasoning closed."""
+    out = []
+    for p in prompts:
+        answer = answers.get(p.id)
+        if p.kind != JUDGED or not answer:
+            continue
+        response = after_reasoning(answer.get("text", ""), p.reasoning_open)
+        if response is None:
+            continue
+        prompt = JUDGE_PROMPT.format(question=p.question, response=response.strip(), correct_answer=p.gold)
+        out.append(Request(p.id, [{"role": "user", "content": prompt}]))
+    return out
+
+
+def judge(
+    prompts, answers: dict[str, dict], out_path: str | Path, config: JudgeConfig, progress=True
+) -> Stats:
+    """Ask the judge about every judged answer not yet in ``out_path``; return the client's Stats."""
+    from tqdm import tqdm
+
+    requests = requests_for(prompts, answers)
+    already = len({r.id for r in requests} & set(read_answers(out_path)))
+    client = CompletionClient(
+        config.base_url,
+        config.model,
+        concurrency=config.concurrency,
+        timeout_s=config.timeout_s,
+        retries=config.retries,
+        chat=True,
+        api_key_env=config.api_key_env,
+    )
+    with tqdm(
+        total=len(requests), initial=already, desc=f"judge ({config.model})", disable=not progress
+    ) as bar:
+        return client.complete(
+            requests,
+            out_path,
+            max_tokens=config.max_tokens,
+            temperature=0.0,
+            extra={"response_format": response_format(config.max_chars)},
+            on_result=lambda _row: bar.update(1),
+        )
+
+
+def parse(text: str) -> Judgment | None:
+    """A judge's JSON as a Judgment; None when it does not hold the schema's fields."""
+    try:
+        data = json.loads(text)
+        return Judgment(
+            str(data["extracted_final_answer"]),
+            data["correct"] == "yes",
+            max(0, min(100, int(data["confidence"]))),
+            str(data.get("reasoning", "")),
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def read_judgments(path: str | Path) -> dict[str, Judgment | None]:
+    """id → the judgment in ``path`` (None where the judge's output did not parse)."""
+    return {i: parse(row.get("text", "")) for i, row in read_answers(path).items()}
+
+
+# -- HLE's metrics
+
+
+def rms_calibration_error(confidence: list[float], correct: list[bool], bin_size: int = CALIBRATION_BIN):
+    """(RMS calibration error in [0, 1], note): answers sorted by confidence (0-1) into bins of ``bin_size``,
+    the last bin taking the remainder, each bin's |mean confidence - accuracy|² weighted by its share.
+
+    HLE's script leaves the last bin out of the sum (and cannot compute below one bin); here every answer
+    counts, and fewer than ``bin_size`` answers make one bin, which the note says."""
+    n = len(confidence)
+    if n == 0:
+        return float("nan"), "no judged answer"
+    order = sorted(range(n), key=lambda i: confidence[i])
+    conf, ok = [confidence[i] for i in order], [float(correct[i]) for i in order]
+    edges = [i * bin_size for i in range(max(1, n // bin_size))] + [n]
+    total = 0.0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        size = hi - lo
+        gap = sum(conf[lo:hi]) / size - sum(ok[lo:hi]) / size
+        total += size / n * gap * gap
+    note = f"{len(edges) - 1} bin(s) of {bin_size}"
+    if n < bin_size:
+        note = f"one bin: only {n} judged answers (HLE bins by {bin_size})"
+    return math.sqrt(total), note
+
+
+def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str, Any]:
+    """HLE's accuracy with its Wald 95% half-width and the RMS calibration error, over the judged rows.
+
+    Every scored judged row counts in n; one without a judgment (its reasoning never closed, or the judge's
+    output did not parse) is wrong and carries no confidence."""
+    rows = per_example[per_example["kind"] == JUDGED]
+    n = len(rows)
+    judged = [judgments.get(i) for i in rows["id"]]
+    correct = [bool(c) for c in rows["correct"]]
+    k = sum(correct)
+    acc = k / n if n else float("nan")
+    half = 1.959964 * math.sqrt(acc * (1 - acc) / n) if n else float("nan")
+    pairs = [(j.confidence / 100, j.correct) for j in judged if j is not None]
+    calib, note = rms_calibration_error([c for c, _ in pairs], [ok for _, ok in pairs])
+    return {
+        "n": n,
+        "judged": len(pairs),
+        "correct": k,
+        "accuracy": acc,
+        "ci95_half_width": half,
+        "calibration_error": calib,
+        "calibration_note": note,
+        "unreadable_judgments": sum(1 for i in rows["id"] if i in judgments and judgments[i] is None),
+    }

@@ -1,0 +1,211 @@
+"""HLE's judge without a model: its JSON read, its metrics recomputed independently, and the judge client
+against a stand-in endpoint (tests/http_stub.py) that refuses a request, wants a key or is not there."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from benchmark_rows import HLE
+from conftest import run_cli
+
+from dsr1kit.benchmarks import adapt
+from dsr1kit.cluster.rendezvous import free_port
+from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer import judge as J
+from dsr1kit.infer.client import RequestRefused, read_answers
+
+STUB = Path(__file__).with_name("http_stub.py")
+
+
+@pytest.fixture
+def stub(tmp_path):
+    """start(mode) → base URL of a stand-in endpoint; every request it was sent is in tmp_path/asked-MODE.jsonl."""
+    procs = []
+
+    def start(mode: str) -> str:
+        port = free_port()
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(STUB), str(port), mode, str(tmp_path / f"asked-{mode}.jsonl")]
+            )
+        )
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                return url
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("stub did not start")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _prompts(n: int = 6):
+    """n HLE exact-match rows asked of a model (tokens do not matter to the judge)."""
+    rows = [dict(HLE["test"][0], id=f"h{i}", answer=str(i)) for i in range(n)]
+    return [
+        ev.Prompt(i.id, [1], i.gold, i.category, i.kind, question=i.question)
+        for i in adapt([("cais/hle", rows)]).items
+    ]
+
+
+def _config(url: str, key_env: str = "") -> J.JudgeConfig:
+    return J.JudgeConfig(url, "judge", key_env, concurrency=2, timeout_s=10, retries=0, max_tokens=64)
+
+
+def test_rms_calibration_error_equals_a_recomputation_by_hand():
+    confidence = [(i % 10) / 10 for i in range(250)]
+    correct = [i % 3 == 0 for i in range(250)]
+    got, note = J.rms_calibration_error(confidence, correct)
+    order = sorted(range(250), key=lambda i: confidence[i])
+    bins = [order[0:100], order[100:250]]  # bins of 100, the last takes the remainder
+    expected = math.sqrt(
+        sum(
+            len(b) / 250 * (sum(confidence[i] for i in b) / len(b) - sum(correct[i] for i in b) / len(b)) ** 2
+            for b in bins
+        )
+    )
+    assert got == pytest.approx(expected) and note == "2 bin(s) of 100"
+    assert J.rms_calibration_error([0.7] * 10, [True] * 7 + [False] * 3) == (
+        pytest.approx(0.0),
+        ("one bin: only 10 judged answers (HLE bins by 100)"),
+    )
+
+
+def test_a_judgment_must_hold_the_schemas_fields():
+    good = {"extracted_final_answer": "2", "reasoning": "same", "correct": "yes", "confidence": 90}
+    assert J.parse(json.dumps(good)) == J.Judgment("2", True, 90, "same")
+    assert J.parse(json.dumps({**good, "confidence": 250})).confidence == 100
+    assert J.parse("{not json") is None and J.parse(json.dumps({"correct": "yes"})) is None
+
+
+def test_only_answers_whose_reasoning_closed_are_sent_with_hles_prompt():
+    prompts = _prompts(3)
+    answers = {"h0": {"text": "<think>x</think>Exact Answer: 0"}, "h1": {"text": "<think>still thinking"}}
+    (request,) = J.requests_for(prompts, answers)
+    assert request.id == "h0"
+    content = request.prompt[0]["content"]
+    assert content.startswith("Judge whether the following [response] to [question] is correct")
+    assert "[response]: Exact Answer: 0\n" in content and "[correct_answer]: 0\n" in content
+    assert "<think>" not in content  # the reasoning is not judged
+
+
+def test_a_refused_judgment_loses_nothing_and_a_rerun_judges_only_what_is_missing(stub, tmp_path):
+    prompts = _prompts(6)
+    answers = {p.id: {"text": f"Exact Answer: {p.gold}" + (" BAD" if p.id == "h3" else "")} for p in prompts}
+    out = tmp_path / "judgments" / "base.jsonl"
+    with pytest.raises(RequestRefused, match="HTTP 400"):
+        J.judge(prompts, answers, out, _config(stub("refuse-BAD")), progress=False)
+    kept = set(read_answers(out))
+    assert "h3" not in kept and kept  # what was judged is kept
+    J.judge(prompts, answers, out, _config(stub("ok")), progress=False)
+    asked = (tmp_path / "asked-ok.jsonl").read_text().splitlines()
+    assert len(asked) == 6 - len(kept)  # only the missing ones
+    judgments = J.read_judgments(out)
+    assert set(judgments) == {p.id for p in prompts} and all(j.correct for j in judgments.values())
+    per_example, _ = ev.score(prompts, answers, judgments=judgments)
+    metrics = J.hle_metrics(per_example, judgments)
+    assert (metrics["n"], metrics["correct"], metrics["accuracy"]) == (6, 6, 1.0)
+    assert metrics["calibration_error"] == pytest.approx(0.3)  # confidence 70% on answers all right
+
+
+def test_a_judge_that_wants_a_key_says_which_variable_was_read(stub, tmp_path, monkeypatch):
+    url = stub("key-s3cret")
+    prompts, out = _prompts(2), tmp_path / "j.jsonl"
+    answers = {p.id: {"text": f"Exact Answer: {p.gold}"} for p in prompts}
+    monkeypatch.delenv("JUDGE_KEY", raising=False)
+    with pytest.raises(RequestRefused, match=r"read from \$JUDGE_KEY, which is not set in this environment"):
+        J.judge(prompts, answers, out, _config(url, "JUDGE_KEY"), progress=False)
+    with pytest.raises(J.JudgeUnreachable, match=r"\$JUDGE_KEY is not set"):
+        J.check_endpoint(url, "judge", "JUDGE_KEY")
+    monkeypatch.setenv("JUDGE_KEY", "s3cret")
+    J.check_endpoint(url, "judge", "JUDGE_KEY")
+    J.judge(prompts, answers, out, _config(url, "JUDGE_KEY"), progress=False)
+    assert len(read_answers(out)) == 2 and "s3cret" not in out.read_text()
+
+
+def test_a_judge_that_is_not_there_or_lacks_the_model_is_named():
+    with pytest.raises(J.JudgeUnreachable, match="is not reachable"):
+        J.check_endpoint(f"http://127.0.0.1:{free_port()}", "judge")
+
+
+def test_a_judge_that_is_down_stops_the_run_before_any_run_folder(tmp_path):
+    runs = tmp_path / "runs"
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = run_cli(
+        "run",
+        "notebooks/10_vllm_inference.ipynb",
+        "-p",
+        "judge_url",
+        url,
+        "-p",
+        "judge_model",
+        "judge",
+        "--runs-dir",
+        str(runs),
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: judge_url: the judge at {url} is not reachable" in proc.stderr
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("judge_api_key", "sk-" + "a" * 30, "judge_api_key"),
+        ("judge_key_env", "sk-" + "a" * 30, "judge_key_env"),
+        ("judge_key_env", "my key", "names the environment variable that holds the judge's key"),
+    ],
+)
+def test_a_judge_key_given_as_a_parameter_is_refused(tmp_path, key, value, message):
+    proc = run_cli(
+        "run", "notebooks/10_vllm_inference.ipynb", "-p", key, value, "--runs-dir", str(tmp_path / "r")
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert not value.startswith("sk-") or value not in proc.stderr + proc.stdout
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_step_builds_the_judge_from_the_parameters():
+    from dsr1kit.params import InferenceParams
+    from dsr1kit.steps import vllm_inference as step
+
+    assert step.judge_config(InferenceParams(), "http://s:1", "model") is None
+    served = InferenceParams(judge_url="served")
+    config = step.judge_config(served, "http://s:1", "adapter")
+    assert (config.base_url, config.model, config.max_chars) == (
+        "http://s:1",
+        "adapter",
+        J.SERVED_JUDGE_MAX_CHARS,
+    )
+    assert step.server_spec(served, "m").extra_args[-2:] == J.SERVED_JUDGE_ARGS  # whitespace-free JSON
+    assert J.SERVED_JUDGE_ARGS[0] not in step.server_spec(InferenceParams(), "m").extra_args
+    endpoint = InferenceParams(
+        judge_url="https://judge.example:8443/", judge_model="j", judge_key_env="JUDGE_KEY"
+    )
+    config = step.judge_config(endpoint, "http://s:1", "model")
+    assert (config.base_url, config.model, config.api_key_env, config.max_chars) == (
+        "https://judge.example:8443",
+        "j",
+        "JUDGE_KEY",
+        0,
+    )
+    schema = J.response_format(config.max_chars)["json_schema"]["schema"]
+    assert (
+        "maxLength" not in schema["properties"]["reasoning"]
+        and "maximum" not in schema["properties"]["confidence"]
+    )
+    bounded = J.response_format(200)["json_schema"]["schema"]["properties"]
+    assert bounded["reasoning"]["maxLength"] == 200 and bounded["confidence"]["maximum"] == 100
