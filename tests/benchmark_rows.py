@@ -293,9 +293,26 @@ HUB = {
 
 
 def write_all(home) -> None:
-    """Every set above into the hub cache under ``home``, as a cluster's cache holds them."""
+    """Every set above into the hub cache under ``home``, as a cluster's cache holds them: once per content
+    (a marker names its hash), under a lock, so test files on two workers never rewrite what the other
+    reads."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from filelock import FileLock
     from hub_datasets import write_hub_dataset
 
-    for spec, (splits, features) in HUB.items():
-        parts = spec.split("/")
-        write_hub_dataset(home, "/".join(parts[:2]), splits, parts[2] if len(parts) > 2 else None, features)
+    home = Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(json.dumps(HUB, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    marker = home / f"benchmark-fixtures-{digest}.done"
+    with FileLock(str(home / "benchmark-fixtures.lock")):
+        if marker.is_file():
+            return
+        for spec, (splits, features) in HUB.items():
+            parts = spec.split("/")
+            write_hub_dataset(
+                home, "/".join(parts[:2]), splits, parts[2] if len(parts) > 2 else None, features
+            )
+        marker.write_text(digest)

@@ -138,7 +138,7 @@ def run(
 
 
 def latest_results(out: Path) -> dict[str, Any]:
-    found = sorted(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    found = sorted(out.rglob("results_*.json"), key=lambda path: path.stat().st_mtime)
     if not found:
         raise HarnessError(f"lm-eval wrote no results under {out}")
     return json.loads(found[-1].read_text())
