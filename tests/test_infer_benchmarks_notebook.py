@@ -30,26 +30,22 @@ ASKED = (
 EXCLUDED = {"unreadable": 1, "over the context": 1, "needs an image": 2, "no gold": 2}
 
 
-def test_hub_benchmarks_are_scored_and_every_excluded_row_is_in_the_report(cli, tmp_path):
+def _notebook_10(cli, tmp_path, **params) -> Path:
+    """Notebook 10 with the tiny params, base only, on the hub sets written offline; its run folder."""
     write_all(Path(os.environ["HF_HOME"]))
     runs = tmp_path / "runs"
+    pairs = [arg for key, value in {"lora_adapter": "", **params}.items() for arg in ("-p", key, str(value))]
     res = cli(
-        "run",
-        "notebooks/10_vllm_inference.ipynb",
-        "-f",
-        "params/tiny/10_vllm_inference.yaml",
-        "--runs-dir",
-        str(runs),
-        "-q",
-        "-p",
-        "lora_adapter",
-        "",
-        "-p",
-        "eval_dataset",
-        SETS,
-    )
+        "run", "notebooks/10_vllm_inference.ipynb", "-f", "params/tiny/10_vllm_inference.yaml",
+        "--runs-dir", str(runs), "-q", *pairs,
+    )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (run_dir,) = runs.iterdir()
+    return run_dir
+
+
+def test_hub_benchmarks_are_scored_and_every_excluded_row_is_in_the_report(cli, tmp_path):
+    run_dir = _notebook_10(cli, tmp_path, eval_dataset=SETS)
     summary = json.loads((run_dir / "summary.json").read_text())
     scored = ASKED - sum(EXCLUDED.values())
     assert summary["n_total"] == ASKED and summary["n_scored"] == scored
@@ -86,25 +82,15 @@ def test_hle_answers_are_judged_by_the_served_model_and_the_numbers_recompute(cl
     """The protocol end to end: the tiny model answers HLE's text rows in HLE's format, then judges them
     (its JSON constrained to the judgment's schema); the report's accuracy, interval and calibration error
     equal a recomputation from the judged file."""
-    write_all(Path(os.environ["HF_HOME"]))
-    runs = tmp_path / "runs"
-    res = cli(
-        "run",
-        "notebooks/10_vllm_inference.ipynb",
-        "-f",
-        "params/tiny/10_vllm_inference.yaml",
-        "--runs-dir",
-        str(runs),
-        "-q",
-        "-p", "lora_adapter", "",
-        "-p", "eval_dataset", "cais/hle",
-        "-p", "judge_url", "served",
-        "-p", "judge_max_tokens", "256",
-        "-p", "max_model_len", "2048",  # HLE's judge prompt alone is ~600 tokens of the tiny vocabulary
-        "-p", "max_num_batched_tokens", "4096",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    (run_dir,) = runs.iterdir()
+    run_dir = _notebook_10(
+        cli,
+        tmp_path,
+        eval_dataset="cais/hle",
+        judge_url="served",
+        judge_max_tokens=256,
+        max_model_len=2048,  # HLE's judge prompt alone is ~600 tokens of the tiny vocabulary
+        max_num_batched_tokens=4096,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     (hle,) = summary["hle"]
     answers = read_answers(run_dir / "answers" / "base.jsonl")

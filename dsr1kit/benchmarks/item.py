@@ -6,6 +6,7 @@ row of MedMCQA, MMLU or the kit's own jsonl is prompted, trained on and scored t
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,10 +98,12 @@ class Adapted:
         return len(self.items) + len(self.excluded)
 
     def reason_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for row in self.excluded:
-            out[row.reason] = out.get(row.reason, 0) + 1
-        return out
+        return count_reasons(self.excluded)
+
+
+def count_reasons(excluded: list[ExcludedRow]) -> dict[str, int]:
+    """Excluded rows per reason."""
+    return dict(Counter(row.reason for row in excluded))
 
 
 def letter(index: Any, n_options: int, what: str) -> str:

@@ -4,21 +4,23 @@ refused, naming its columns and the adapters known, before any server starts or 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any
 
 from .adapter import Adapter
-from .item import Adapted, Exclude, ExcludedRow
+from .item import Adapted, Exclude, ExcludedRow, Item
 
 
 class UnknownSchema(ValueError):
     """No adapter reads these columns (or a known repo's rows lack the columns its adapter needs)."""
 
 
-def _registry() -> list[Adapter]:
+@lru_cache(maxsize=1)
+def adapters() -> tuple[Adapter, ...]:
     from . import gpqa, hle, kit, math_sets, medmcqa, mmlu
 
     # most specific schemas first: the kit's own (question + answer) reads almost anything, so it is last
-    return [
+    return (
         hle.ADAPTER,
         medmcqa.ADAPTER,
         gpqa.ADAPTER,
@@ -28,11 +30,7 @@ def _registry() -> list[Adapter]:
         math_sets.MATH500,
         math_sets.AIME,
         kit.ADAPTER,
-    ]
-
-
-def adapters() -> list[Adapter]:
-    return _registry()
+    )
 
 
 def repo_of(dataset: str) -> str:
@@ -66,30 +64,38 @@ def adapter_for(dataset: str | None, columns: Iterable[str]) -> Adapter:
     )
 
 
+def read_set(name: str, rows: list[dict[str, Any]]) -> tuple[Adapter, list[Item | ExcludedRow]]:
+    """The adapter that reads set ``name`` and, per row in order, its Item or its ExcludedRow."""
+    adapter = adapter_for(name, set().union(*(r.keys() for r in rows)))
+    out: list[Item | ExcludedRow] = []
+    for index, row in enumerate(rows):
+        item_id, category = adapter.row_id(row, index), adapter.category_of(row)
+        try:
+            item = adapter.read(row, item_id)
+        except Exclude as why:
+            out.append(ExcludedRow(item_id, why.reason, why.detail, name, category))
+        else:
+            item.category, item.source = category, name
+            out.append(item)
+    return adapter, out
+
+
 def adapt(sets: list[tuple[str, list[dict[str, Any]]]]) -> Adapted:
     """Items and excluded rows of several sets (name, rows); ids must be unique across them."""
     items, excluded, chosen, seen = [], [], {}, {}
     for name, rows in sets:
         if not rows:
             continue
-        adapter = adapter_for(name, set().union(*(r.keys() for r in rows)))
+        adapter, read = read_set(name, rows)
         chosen[name] = adapter.name
-        for index, row in enumerate(rows):
-            item_id = adapter.row_id(row, index)
-            category = adapter.category_of(row)
-            try:
-                item = adapter.read(row, item_id)
-            except Exclude as why:
-                excluded.append(ExcludedRow(item_id, why.reason, why.detail, name, category))
-            else:
-                item.category, item.source = category, name
-                items.append(item)
-            if item_id in seen:
+        for row in read:
+            (excluded if isinstance(row, ExcludedRow) else items).append(row)
+            if row.id in seen:
                 raise ValueError(
-                    f"id {item_id!r} is in both {seen[item_id]} and {name}; ids must be unique across the "
+                    f"id {row.id!r} is in both {seen[row.id]} and {name}; ids must be unique across the "
                     "sets (answers are saved by id)"
                 )
-            seen[item_id] = name
+            seen[row.id] = name
     out = Adapted(items, excluded, chosen)
     assert out.asked == sum(len(rows) for _, rows in sets), "a row was neither scored nor excluded"
     return out
@@ -105,15 +111,15 @@ def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_source.setdefault(str(row.get("_source", "")).partition("@")[0], []).append(i)
     out: list[dict[str, Any]] = [{} for _ in rows]
     for name, indices in by_source.items():
-        group = [rows[i] for i in indices]
-        adapter = adapter_for(name, set().union(*(r.keys() for r in group)))
-        for i, row in zip(indices, group):
-            row_id = adapter.row_id(row, i)
-            keep = {k: row[k] for k in ("_source",) if k in row}
-            try:
-                item = adapter.read(row, row_id)
-            except Exclude as why:
-                out[i] = {"id": row_id, "_excluded": str(why), **keep}
-                continue
-            out[i] = {**item.to_row(), "category": adapter.category_of(row), **keep}
+        _, read = read_set(name, [rows[i] for i in indices])
+        for i, row in zip(indices, read):
+            keep = {k: rows[i][k] for k in ("_source",) if k in rows[i]}
+            if isinstance(row, ExcludedRow):
+                out[i] = {
+                    "id": row.id,
+                    "_excluded": f"{row.reason}: {row.detail}" if row.detail else row.reason,
+                    **keep,
+                }
+            else:
+                out[i] = {**row.to_row(), **keep}
     return out

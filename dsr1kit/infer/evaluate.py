@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..benchmarks import CHOICE, JUDGED, MATH, OVER_CONTEXT, Adapted, ExcludedRow, Item, adapt
+from ..benchmarks.item import count_reasons
 from ..benchmarks.math_equiv import all_equivalent, equivalent
 from ..benchmarks.registry import adapter_by_repo
 from ..data.chat import to_messages
@@ -175,16 +177,10 @@ class Accounting:
 
     def totals(self) -> dict[str, int]:
         """N per category: every row asked for, excluded ones included."""
-        out: dict[str, int] = {}
-        for category in [p.category for p in self.kept] + [e.category for e in self.excluded]:
-            out[category] = out.get(category, 0) + 1
-        return out
+        return dict(Counter([p.category for p in self.kept] + [e.category for e in self.excluded]))
 
     def reason_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for row in self.excluded:
-            out[row.reason] = out.get(row.reason, 0) + 1
-        return out
+        return count_reasons(self.excluded)
 
     def describe(self) -> str:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.reason_counts().items()))
