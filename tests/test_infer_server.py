@@ -50,6 +50,38 @@ def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path
     assert_no_server_left()
 
 
+def test_an_engine_that_fails_to_start_is_named_by_its_own_error_not_only_the_api_process_tail(
+    tiny_dir, tmp_path
+):
+    """vLLM's API process ends its log with "Engine core initialization failed. See root cause above"; the
+    cause (here: more KV cache asked for than the host has) is the engine's error further up."""
+    p = cpu_params(server_env={"VLLM_CPU_KVCACHE_SPACE": "100000"})  # 100 TB of KV cache
+    with pytest.raises(ServerError) as err:
+        with vllm_inference.server(p, tmp_path, str(tiny_dir)):
+            pass
+    msg = str(err.value)
+    assert "exited early" in msg
+    first = msg.split("first error in the log:", 1)[1].splitlines()[0]
+    assert "ValueError" in first and "VLLM_CPU_KVCACHE_SPACE" in first, msg[-3000:]
+    assert_no_server_left()
+
+
+def test_log_tail_puts_the_first_exception_above_the_last_lines(tmp_path):
+    from dsr1kit.infer.server import log_tail
+
+    log = tmp_path / "server.log"
+    lines = ["$ python -m vllm ...", "(APIServer pid=6) WARNING 12-03 18:51:28 [x.py:1] errors like `OSError: 24`"]
+    lines += ["(Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] EngineCore failed to start."]
+    lines += ["(Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: Available memory on node 0 is less"]
+    lines += [f"  frame {i}" for i in range(50)] + ["RuntimeError: Engine core initialization failed."]
+    log.write_text("\n".join(lines))
+    text = log_tail(log, lines=10)
+    assert text.startswith("first error in the log: (Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: ")
+    assert text.endswith("RuntimeError: Engine core initialization failed.")
+    log.write_text("\n".join(lines[-5:]))  # the exception is among the last lines: said once
+    assert log_tail(log, lines=10) == "\n".join(lines[-5:])
+
+
 def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_rest(
     tiny_dir, tmp_path, prompts
 ):

@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,12 +151,26 @@ def _status_hint(status: int, model: str) -> str:
     return "the server refuses the request's arguments: the body above names which"
 
 
+# An exception line as Python prints it, possibly behind vLLM's log prefix ("(EngineCore_DP0 pid=7) ERROR ...").
+EXCEPTION_LINE = re.compile(
+    r"^(?:\([^)]*\)\s+)?(?:(?:ERROR|CRITICAL)\s+\S+\s+\S+\s+(?:\[[^\]]*\]\s*)?)?"
+    r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt): \S"
+)
+
+
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last lines, preceded by the first exception it reports when that is further up: vLLM's API
+    process ends with "Engine core initialization failed. See root cause above", the cause being the engine
+    process's own error (e.g. too little free memory for the KV cache) many lines before."""
     try:
         text = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return "<no server log>"
-    return "\n".join(text[-lines:])
+    tail = text[-lines:]
+    first = next((line for line in text if EXCEPTION_LINE.search(line)), None)
+    if first is not None and first not in tail:
+        return f"first error in the log: {first.strip()}\n...\n" + "\n".join(tail)
+    return "\n".join(tail)
 
 
 def _set_parent_death_signal() -> None:  # runs in the child, after fork
