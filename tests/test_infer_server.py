@@ -70,13 +70,20 @@ def test_log_tail_puts_the_first_exception_above_the_last_lines(tmp_path):
     from dsr1kit.infer.server import log_tail
 
     log = tmp_path / "server.log"
-    lines = ["$ python -m vllm ...", "(APIServer pid=6) WARNING 12-03 18:51:28 [x.py:1] errors like `OSError: 24`"]
+    lines = [
+        "$ python -m vllm ...",
+        "(APIServer pid=6) WARNING 12-03 18:51:28 [x.py:1] errors like `OSError: 24`",
+    ]
     lines += ["(Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] EngineCore failed to start."]
-    lines += ["(Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: Available memory on node 0 is less"]
+    lines += [
+        "(Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: Available memory on node 0 is less"
+    ]
     lines += [f"  frame {i}" for i in range(50)] + ["RuntimeError: Engine core initialization failed."]
     log.write_text("\n".join(lines))
     text = log_tail(log, lines=10)
-    assert text.startswith("first error in the log: (Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: ")
+    assert text.startswith(
+        "first error in the log: (Worker pid=7) ERROR 12-03 18:51:56 [core.py:9] ValueError: "
+    )
     assert text.endswith("RuntimeError: Engine core initialization failed.")
     log.write_text("\n".join(lines[-5:]))  # the exception is among the last lines: said once
     assert log_tail(log, lines=10) == "\n".join(lines[-5:])
