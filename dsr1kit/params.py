@@ -244,6 +244,15 @@ class InferenceParams(NotebookParams):
     ready_timeout_s: float = Field(
         300.0, gt=0, description="Wait this long for /health and a first completion, s"
     )
+    server_key_env: str = Field(
+        "VLLM_API_KEY",
+        description="Environment variable holding the key the server demands and the kit's clients send "
+        "(never the key); unset: no key; '': no key even if VLLM_API_KEY is exported",
+    )
+    require_server_key: bool = Field(
+        False,
+        description="Refuse to start when server_key_env is not set (a shared cluster: others can query)",
+    )
     lora_adapter: str = Field(
         "latest",
         description="Adapter folder to compare with the base; 'latest': newest "
@@ -316,15 +325,21 @@ class InferenceParams(NotebookParams):
             raise ValueError("give '', 'served' or an http(s):// URL of an OpenAI-compatible endpoint")
         return value.rstrip("/")
 
-    @field_validator("judge_key_env")
+    @field_validator("judge_key_env", "server_key_env")
     @classmethod
-    def _judge_key_is_a_name(cls, value: str) -> str:
+    def _key_is_a_variable_name(cls, value: str) -> str:
         if value and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", value):
             raise ValueError(
-                "names the environment variable that holds the judge's key (e.g. OPENAI_API_KEY), not the "
+                "names the environment variable that holds the key (e.g. VLLM_API_KEY), not the "
                 "key itself: export the key under that name"
             )
         return value
+
+    @model_validator(mode="after")
+    def _required_key_has_a_variable(self):
+        if self.require_server_key and not self.server_key_env:
+            raise ValueError("require_server_key needs server_key_env (the variable that holds the key)")
+        return self
 
     @model_validator(mode="after")
     def _judge_endpoint_needs_a_model(self):

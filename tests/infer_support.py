@@ -53,3 +53,11 @@ def assert_gone(procs: list[psutil.Process]) -> None:
 def assert_no_server_left() -> None:
     gone, alive = psutil.wait_procs(vllm_processes(), timeout=10)
     assert not alive, f"vLLM processes outlived the test: {[p.pid for p in alive]}"
+
+
+def files_holding(folder, text: str) -> list[str]:
+    """Files under ``folder`` whose bytes contain ``text`` (a secret that must be in none)."""
+    from pathlib import Path
+
+    needle = text.encode()
+    return [str(f) for f in Path(folder).rglob("*") if f.is_file() and needle in f.read_bytes()]

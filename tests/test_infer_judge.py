@@ -125,9 +125,11 @@ def test_a_judge_that_wants_a_key_says_which_variable_was_read(stub, tmp_path, m
     prompts, out = _prompts(2), tmp_path / "j.jsonl"
     answers = {p.id: {"text": f"Exact Answer: {p.gold}"} for p in prompts}
     monkeypatch.delenv("JUDGE_KEY", raising=False)
-    with pytest.raises(RequestRefused, match=r"read from \$JUDGE_KEY, which is not set in this environment"):
+    with pytest.raises(
+        RequestRefused, match=r"sent the key from \$JUDGE_KEY, which is not set in this environment"
+    ):
         J.judge(prompts, answers, out, _config(url, "JUDGE_KEY"), progress=False)
-    with pytest.raises(J.JudgeUnreachable, match=r"\$JUDGE_KEY is not set"):
+    with pytest.raises(J.JudgeUnreachable, match=r"\$JUDGE_KEY, which is not set"):
         J.check_endpoint(url, "judge", "JUDGE_KEY")
     monkeypatch.setenv("JUDGE_KEY", "s3cret")
     J.check_endpoint(url, "judge", "JUDGE_KEY")
@@ -165,7 +167,7 @@ def test_a_judge_that_is_down_stops_the_run_before_any_run_folder(tmp_path):
     [
         ("judge_api_key", "sk-" + "a" * 30, "judge_api_key"),
         ("judge_key_env", "sk-" + "a" * 30, "judge_key_env"),
-        ("judge_key_env", "my key", "names the environment variable that holds the judge's key"),
+        ("judge_key_env", "my key", "names the environment variable that holds the key"),
     ],
 )
 def test_a_judge_key_given_as_a_parameter_is_refused(tmp_path, key, value, message):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, run_cli
-from infer_support import assert_no_server_left
+from infer_support import assert_no_server_left, files_holding
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.data import templates
@@ -27,6 +27,7 @@ from dsr1kit.infer.serve_form import fp8_blocks_servable
 
 R1 = Path("params/r1-671b-2x8h100")
 REHEARSAL = Path("params/r1-rehearsal")
+SERVER_KEY = "rehearsal-key-" + os.urandom(8).hex()
 
 
 def _run(runs: Path, notebook: str, *extra: str) -> Path:
@@ -203,6 +204,7 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
         "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
         "RAY_TMP_ROOT": str(ray_tmp),
         "DSR1KIT_EXPECTED_GPUS": "0",
+        "VLLM_API_KEY": SERVER_KEY,  # R1's params require a key (a shared cluster)
     }  # emulated GPUs: Ray sees none
     job_id = slurm.sbatch(
         f"--output={tmp_path}/%x-%j.out",
@@ -229,6 +231,8 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     assert sorted(p.name for p in ray_tmp.iterdir()) == []  # the job removed its Ray temp dirs
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert_no_server_left()
+    assert SERVER_KEY not in job.output and not files_holding(run_dir, SERVER_KEY)
+    assert "--api-key" not in (run_dir / "logs" / "server-base.log").read_text()
     s = _summary(run_dir)
     prompt = s["served_prompt_example"]
     assert prompt.startswith(templates.R1_BOS + "You are DeepSeek-R1." + templates.R1_USER)

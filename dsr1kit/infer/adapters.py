@@ -106,7 +106,7 @@ def verdict(
 
 
 def vllm_generate(
-    base_url: str, model: str, prompt_ids: list[int], n_tokens: int, timeout: float = 120
+    base_url: str, model: str, prompt_ids: list[int], n_tokens: int, timeout: float = 120, key_env: str = ""
 ) -> tuple[list[int], list[float]]:
     """Greedy continuation served by vLLM: (token ids, logprob of each) -- what evaluation sees."""
     payload = {
@@ -118,7 +118,7 @@ def vllm_generate(
         "return_tokens_as_token_ids": True,
         "ignore_eos": True,
     }
-    status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout)
+    status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout, key_env=key_env)
     if status != 200:
         raise RuntimeError(f"completion for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
     lp = body["choices"][0]["logprobs"]
@@ -126,7 +126,12 @@ def vllm_generate(
 
 
 def vllm_score(
-    base_url: str, model: str, prompt_ids: list[int], tokens: list[int], timeout: float = 120
+    base_url: str,
+    model: str,
+    prompt_ids: list[int],
+    tokens: list[int],
+    timeout: float = 120,
+    key_env: str = "",
 ) -> list[float]:
     """Teacher-forced logprob of each continuation token as the server computes it (``prompt_logprobs``)."""
     payload = {
@@ -136,7 +141,7 @@ def vllm_score(
         "temperature": 0,
         "prompt_logprobs": 0,
     }
-    status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout)
+    status, body = http_json(f"{base_url}/v1/completions", payload, timeout=timeout, key_env=key_env)
     if status != 200:
         raise RuntimeError(f"scoring for parity with {model} failed: HTTP {status}: {str(body)[:300]}")
     per_position = body["choices"][0]["prompt_logprobs"]
@@ -155,19 +160,29 @@ class ServedSamples:
 
 
 def served_samples(
-    base_url: str, base_name: str, adapter_name: str, prompts: list[list[int]], n_tokens: int = 16
+    base_url: str,
+    base_name: str,
+    adapter_name: str,
+    prompts: list[list[int]],
+    n_tokens: int = 16,
+    key_env: str = "",
 ) -> ServedSamples:
-    """First half of the served parity check, on the server with ``--enable-lora``."""
-    served = [vllm_generate(base_url, adapter_name, p, n_tokens) for p in prompts]
-    base = [vllm_score(base_url, base_name, p, toks) for p, (toks, _) in zip(prompts, served)]
+    """First half of the served parity check, on the server with ``--enable-lora`` (its key in ``key_env``)."""
+    served = [vllm_generate(base_url, adapter_name, p, n_tokens, key_env=key_env) for p in prompts]
+    base = [
+        vllm_score(base_url, base_name, p, toks, key_env=key_env) for p, (toks, _) in zip(prompts, served)
+    ]
     return ServedSamples(prompts, [t for t, _ in served], [lp for _, lp in served], base)
 
 
 def served_parity(
-    samples: ServedSamples, merged_url: str, merged_name: str, tol: float = 0.1
+    samples: ServedSamples, merged_url: str, merged_name: str, tol: float = 0.1, key_env: str = ""
 ) -> ParityResult:
     """Second half, on the server of the merged checkpoint: does the served LoRA compute the merge?"""
-    merged = [vllm_score(merged_url, merged_name, p, t) for p, t in zip(samples.prompts, samples.tokens)]
+    merged = [
+        vllm_score(merged_url, merged_name, p, t, key_env=key_env)
+        for p, t in zip(samples.prompts, samples.tokens)
+    ]
     d_ref, d_base = _mean_abs(samples.adapter_lp, merged), _mean_abs(samples.adapter_lp, samples.base_lp)
     effect = _mean_abs(merged, samples.base_lp)
     if effect <= tol:
@@ -215,15 +230,16 @@ def parity_check(
     prompts: list[list[int]],
     n_tokens: int = 16,
     tol: float = 0.1,
+    key_env: str = "",
 ) -> ParityResult:
-    """Greedy-decode ``n_tokens`` per prompt with the served adapter and the served base, then score the
-    same tokens with PEFT (adapter on / off) in transformers, and conclude."""
+    """Greedy-decode ``n_tokens`` per prompt with the served adapter and the served base (the server's key in
+    ``key_env``), then score the same tokens with PEFT (adapter on / off) in transformers, and conclude."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    served = [vllm_generate(base_url, adapter_name, p, n_tokens) for p in prompts]
-    served_base = [vllm_generate(base_url, base_name, p, n_tokens) for p in prompts]
+    served = [vllm_generate(base_url, adapter_name, p, n_tokens, key_env=key_env) for p in prompts]
+    served_base = [vllm_generate(base_url, base_name, p, n_tokens, key_env=key_env) for p in prompts]
     model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter_dir)
     ).eval()

@@ -12,7 +12,7 @@ with the model's chat template, so the server adds nothing (no second BOS) and
 the prompt length is known exactly. A client with ``chat=True`` sends messages to
 ``/v1/chat/completions`` instead (a judge model behind any OpenAI-compatible
 endpoint). A server's key is read from the environment variable the client is
-given, at request time, and sent as a bearer token; it is never stored.
+given, at request time, and sent as a bearer token; it is never stored (``infer.auth``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from . import auth
 
 RETRY_STATUS = {429, 500, 502, 503, 504}  # overload and server faults: worth another try after a pause
 
@@ -47,6 +48,7 @@ class ClientConfig:
     retries: int  # per request, on connection errors, timeouts and 5xx (with backoff)
     max_tokens: int  # generated tokens per answer
     temperature: float  # 0: greedy
+    key_env: str  # the environment variable holding the server's key ('' for none); never the key
 
 
 @dataclass
@@ -124,28 +126,19 @@ class CompletionClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         chat: bool = False,
-        api_key_env: str = "",
+        key_env: str = "",
+        key_param: str = "server_key_env",
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.chat = chat
-        self.api_key_env = api_key_env
+        self.key_env = key_env
+        self.key_param = key_param  # the parameter that names key_env, for a refusal's message
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-
-    def _headers(self) -> dict[str, str]:
-        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def _key_note(self) -> str:
-        """What a 401/403 means for this client: which variable it read and whether it was set."""
-        if not self.api_key_env:
-            return "; the client sends no key (none is configured for this endpoint)"
-        state = "set" if os.environ.get(self.api_key_env) else "not set"
-        return f"; the key is read from ${self.api_key_env}, which is {state} in this environment"
 
     async def _post(self, http, payload: dict) -> dict:
         import aiohttp
@@ -156,7 +149,10 @@ class CompletionClient:
         for attempt in range(self.retries + 1):
             try:
                 async with http.post(
-                    f"{self.base_url}{path}", json=payload, timeout=timeout, headers=self._headers()
+                    f"{self.base_url}{path}",
+                    json=payload,
+                    timeout=timeout,
+                    headers=auth.headers(self.key_env),
                 ) as resp:
                     text = await resp.text()
                 if resp.status in RETRY_STATUS:
@@ -164,7 +160,11 @@ class CompletionClient:
                 elif (
                     resp.status >= 400
                 ):  # a refused request does not get better by retrying, nor is it an answer
-                    note = self._key_note() if resp.status in (401, 403) else ""
+                    note = (
+                        "; " + auth.refused_note(self.key_env, self.key_param)
+                        if resp.status in (401, 403)
+                        else ""
+                    )
                     raise RequestRefused(
                         f"the server refused a request for model '{self.model}' with HTTP "
                         f"{resp.status}: {text[:300]}{note}"

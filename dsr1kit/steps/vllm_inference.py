@@ -58,6 +58,7 @@ def server_spec(
         max_lora_rank=p.max_lora_rank if max_lora_rank is None else max_lora_rank,
         extra_args=tuple(p.extra_args) + (judge.SERVED_JUDGE_ARGS if p.judge_url == "served" else ()),
         env=dict(p.server_env),
+        server_key_env=p.server_key_env,
     )
 
 
@@ -82,6 +83,7 @@ def client_config(p) -> ClientConfig:
         retries=p.retries,
         max_tokens=p.max_new_tokens,
         temperature=p.temperature,
+        key_env=p.server_key_env,
     )
 
 
@@ -94,7 +96,8 @@ def judge_config(p, served_url: str, served_name: str) -> judge.JudgeConfig | No
     return judge.JudgeConfig(
         base_url=served_url if served else p.judge_url,
         model=p.judge_model or served_name if served else p.judge_model,
-        api_key_env=p.judge_key_env,
+        api_key_env=p.server_key_env if served else p.judge_key_env,
+        key_param="server_key_env" if served else "judge_key_env",
         concurrency=p.client_concurrency,
         timeout_s=p.request_timeout_s,
         retries=p.retries,
@@ -114,6 +117,7 @@ def harness_config(p, tokenizer_path: str) -> harness.HarnessConfig:
         system_prompt=p.system_prompt,
         think_end_token="</think>",
         tokenizer=tokenizer_path,
+        key_env=p.server_key_env,
         extra_args=tuple(p.lm_eval_args),
     )
 
@@ -195,11 +199,18 @@ class Prompts:
 
 
 def preflight(p) -> None:
-    """Every evaluation set loads and a benchmark adapter reads it, and a judge endpoint answers with the key
-    and model named, before any run folder or server."""
+    """The server's key is there when required, every evaluation set loads and a benchmark adapter reads it,
+    and a judge endpoint answers with the key and model named, before any run folder or server."""
     from ..benchmarks import UnknownSchema
+    from ..infer import auth
     from .preflight import BadInput
 
+    if p.require_server_key and not auth.key(p.server_key_env):
+        raise BadInput(
+            f"require_server_key: ${p.server_key_env} is not set, so the server would answer anyone on the "
+            f"network; export the key it should demand (e.g. `export {p.server_key_env}=$(openssl rand -hex 32)`"
+            f" in the job's environment), or set require_server_key: false to serve without one"
+        )
     try:
         evaluate.load_items(p.eval_dataset, p.eval_limit)
     except UnknownSchema as err:
@@ -315,6 +326,7 @@ class ServedEval:
                     self.p.served_model_name,
                     self.p.lora_name,
                     [pr.token_ids for pr in prompts],
+                    key_env=self.p.server_key_env,
                 )
             self.serve_lora = False  # the adapter is evaluated on the served merge, which finishes the check
             self.parity_note = (
@@ -333,6 +345,7 @@ class ServedEval:
                 str(self.adapter),
                 [pr.token_ids for pr in prompts],
                 tol=self.p.parity_tol,
+                key_env=self.p.server_key_env,
             )
         if self.parity.verdict != "applied" and self.p.merge_if_ignored:
             print("parity not applied: restarting the base without LoRA; the adapter will be merged")
@@ -357,7 +370,11 @@ class ServedEval:
             with stop_on_error(self.server):
                 if self.samples is not None:
                     self.parity = adapters.served_parity(
-                        self.samples, self.server.base_url, p.served_model_name, p.parity_tol
+                        self.samples,
+                        self.server.base_url,
+                        p.served_model_name,
+                        p.parity_tol,
+                        p.server_key_env,
                     )
                 self._answer("adapter", p.served_model_name, prompts, client)
         return self.stats
