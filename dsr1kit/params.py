@@ -237,6 +237,11 @@ class InferenceParams(NotebookParams):
     )
     enforce_eager: bool = Field(True, description="Skip graph capture/compile: faster start, slower decode")
     extra_args: list[str] = Field([], description="Extra `vllm serve` arguments, verbatim")
+    reasoning_parser: str = Field(
+        "",
+        description="vLLM --reasoning-parser (R1: deepseek_r1): answers asked through chat, read from the "
+        "content the server splits off; '': token-id prompts, reasoning cut at the last </think> by the kit",
+    )
     server_env: dict[str, str] = Field(
         {"VLLM_CPU_KVCACHE_SPACE": "1"},
         description="Extra environment for the server (here: GiB of KV cache on CPU)",
@@ -324,6 +329,13 @@ class InferenceParams(NotebookParams):
         if value not in ("", "served") and not re.match(r"^https?://[^\s/]+", value):
             raise ValueError("give '', 'served' or an http(s):// URL of an OpenAI-compatible endpoint")
         return value.rstrip("/")
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _parser_is_a_name(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[a-z0-9_]+", value):
+            raise ValueError("a vLLM reasoning parser's name, e.g. deepseek_r1, or '' for none")
+        return value
 
     @field_validator("judge_key_env", "server_key_env")
     @classmethod

@@ -67,7 +67,13 @@ def test_the_step_builds_the_configs_from_the_parameters():
     assert vllm_inference.server_spec(p, "/m").max_lora_rank == p.max_lora_rank
     assert vllm_inference.server_spec(InferenceParams(), "/m").port > 0  # port 0: a free one
     expected = ClientConfig(
-        concurrency=16, timeout_s=9, retries=1, max_tokens=7, temperature=0.5, key_env="VLLM_API_KEY"
+        concurrency=16,
+        timeout_s=9,
+        retries=1,
+        max_tokens=7,
+        temperature=0.5,
+        key_env="VLLM_API_KEY",
+        chat=False,
     )
     assert vllm_inference.client_config(p) == expected  # concurrency 0: 2 x max_num_seqs x data_parallel_size
     server = vllm_inference.server(p, "/runs/r", "/m", name="server-base")

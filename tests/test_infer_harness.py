@@ -52,7 +52,7 @@ def test_the_command_asks_the_served_model_with_lm_evals_own_cli(tmp_path):
 def test_the_results_table_has_each_metric_with_its_stderr():
     results = {
         "results": {"tiny_task_b": {"alias": "tiny_task_b", "exact_match,answer-block": 0.25,
-                                    "exact_match_stderr,answer-block": 0.1}},
+                                    "exact_match_stderr,answer-block": 0.1, "sample_len": 20}},
         "n-samples": {"tiny_task_b": {"original": 200, "effective": 20}},
     }  # fmt: skip
     assert H.results_rows(results) == [
@@ -110,4 +110,48 @@ def test_lm_eval_on_a_local_task_agrees_with_the_kits_score_for_base_and_adapter
         assert (run_dir / "lm_eval" / label / "cache").is_dir() and (
             run_dir / "logs" / f"lm_eval-{label}.log"
         ).is_file()
+    assert_no_server_left()
+
+
+@pytest.mark.slow
+def test_lm_evals_log_likelihoods_from_the_served_model_are_the_models_own(tiny_dir, tmp_path):
+    """local-completions (echo + logprobs on /v1/completions) on a multiple-choice task: every choice's
+    log-likelihood lm-eval reports equals transformers' on the same text (bf16 server vs fp32), and its
+    accuracy is the argmax of those."""
+    pytest.importorskip("vllm")
+    import torch
+    from infer_support import cpu_params
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsr1kit.steps import vllm_inference
+
+    config = H.HarnessConfig(**{**CONFIG.__dict__, "tasks": ("data/lm_eval/tiny_task_a_choice.yaml",),
+                                "model_type": H.COMPLETIONS, "tokenizer": str(tiny_dir),
+                                "extra_args": ("--limit", "12")})  # fmt: skip
+    p = cpu_params()
+    with vllm_inference.server(p, tmp_path, str(tiny_dir)) as server:
+        results = H.run(config, server.base_url, p.served_model_name, tmp_path, "base")
+    (row,) = H.results_rows(results)
+    assert (row["task"], row["metric"], row["n"]) == ("tiny_task_a_choice", "acc", 12)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+    def loglikelihood(context: str, continuation: str) -> float:
+        ids, n_ctx = tok(context + continuation).input_ids, len(tok(context).input_ids)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+        return sum(lp[i - 1, ids[i]].item() for i in range(n_ctx, len(ids)))
+
+    (samples,) = (H.harness_dir(tmp_path, "base")).rglob("samples_tiny_task_a_choice_*.jsonl")
+    docs = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(docs) == 12
+    correct = 0
+    for doc in docs:
+        served = [float(r[0]) for r in doc["filtered_resps"]]
+        own = [loglikelihood(a["arg_0"], a["arg_1"]) for a in doc["arguments"].values()]
+        assert max(abs(s - o) for s, o in zip(served, own)) < 0.1, (served, own)
+        choices = [a["arg_1"].strip() for a in doc["arguments"].values()]
+        assert doc["acc"] == float(served.index(max(served)) == choices.index(doc["target"]))
+        correct += doc["acc"]
+    assert row["value"] == pytest.approx(correct / 12)
     assert_no_server_left()

@@ -247,6 +247,12 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     for model in ("base", "adapter"):
         assert sum(r[model] for r in s["answer_rules"]) == n  # every answer read by a rule or unparseable
     assert "adapter" in s["headline"]
+    # R1's reasoning parser: answers asked through chat, the server rendering exactly the kit's prompt
+    assert "--reasoning-parser deepseek_r1" in (run_dir / "logs" / "server-base.log").read_text()
+    answers = [json.loads(line) for line in (run_dir / "answers" / "base.jsonl").read_text().splitlines()]
+    assert answers and all("reasoning" in row for row in answers)
+    for row in s["thinking"]:
+        assert row["answered"] == n and row["prompt_tokens_differ"] == 0 and row["thinking_tokens_mean"] > 0
     assert s["memory_plan"]["step"] == "vLLM serving" and s["memory_plan"]["fits"]
     assert s["memory_plan"]["facts"]["weights"] == (
         "FP8 blocks as stored" if fp8_blocks_servable() else "bfloat16 copy of the FP8 checkpoint"

@@ -16,6 +16,13 @@ final word):
 
 What no rule reads is unparseable and scored wrong; the rule that read each
 answer is kept, so a report can count them and list the unparseable ones.
+
+An answer row served through vLLM's reasoning parser (``--reasoning-parser
+deepseek_r1``; the row then has a ``reasoning`` field) is read from the content
+the server split off: its reasoning never closed when the content is empty and
+there was reasoning. A completion that stopped at ``max_new_tokens`` before its
+reasoning closed *ran out of tokens while thinking*: counted apart from answers
+that were read and wrong.
 """
 
 from __future__ import annotations
@@ -101,11 +108,45 @@ def after_reasoning(text: str, reasoning_open: bool = False) -> str | None:
     return text
 
 
+def response_of(row: dict, reasoning_open: bool = False) -> str | None:
+    """What follows the reasoning of an answer row (the content a reasoning parser split off, else the text
+    after the last ``</think>``); None when the reasoning never closed."""
+    if "reasoning" in row:
+        content = row.get("text") or ""
+        return content if content or not row.get("reasoning") else None
+    return after_reasoning(row.get("text") or "", reasoning_open)
+
+
+def thinking_of(row: dict, reasoning_open: bool = False) -> str:
+    """The reasoning of an answer row: the parser's, else the text up to the last ``</think>`` (all of it
+    when the reasoning never closed); '' for a model that did not reason."""
+    if "reasoning" in row:
+        return row.get("reasoning") or ""
+    text = row.get("text") or ""
+    if THINK_CLOSE in text:
+        return text.rsplit(THINK_CLOSE, 1)[0].replace(THINK_OPEN, "", 1)
+    return text.replace(THINK_OPEN, "", 1) if reasoning_open or THINK_OPEN in text else ""
+
+
+def ran_out_thinking(row: dict, reasoning_open: bool = False) -> bool:
+    """The completion hit max_new_tokens before its reasoning closed: no answer, for want of tokens."""
+    return row.get("finish_reason") == "length" and response_of(row, reasoning_open) is None
+
+
 def parse_answer(
     text: str, n_options: int = 0, options: list[str] = (), reasoning_open: bool = False
 ) -> Parsed:
     """The answer of one completion and the rule that read it (see the module docstring)."""
-    tail = after_reasoning(text, reasoning_open)
+    return read_response(after_reasoning(text, reasoning_open), n_options, options)
+
+
+def parse_row(row: dict, n_options: int = 0, options: list[str] = (), reasoning_open: bool = False) -> Parsed:
+    """The answer of one answer row (either route: token ids, or chat through a reasoning parser)."""
+    return read_response(response_of(row, reasoning_open), n_options, options)
+
+
+def read_response(tail: str | None, n_options: int = 0, options: list[str] = ()) -> Parsed:
+    """The answer in what follows the reasoning (None: the reasoning never closed)."""
     if tail is None:
         return Parsed(None, TRUNCATED)
 

@@ -49,6 +49,9 @@ class ClientConfig:
     max_tokens: int  # generated tokens per answer
     temperature: float  # 0: greedy
     key_env: str  # the environment variable holding the server's key ('' for none); never the key
+    chat: (
+        bool  # ask /v1/chat/completions with messages (a reasoning parser splits reasoning off) or token ids
+    )
 
 
 @dataclass
@@ -218,8 +221,11 @@ class CompletionClient:
             else:
                 usage = body.get("usage") or {}
                 choice = body["choices"][0]
+                if self.chat:  # the content; a reasoning parser's reasoning beside it
+                    message = choice["message"]
+                    row["reasoning"] = message.get("reasoning") or message.get("reasoning_content") or ""
                 row.update(
-                    text=choice["message"]["content"] if self.chat else choice["text"],
+                    text=(choice["message"]["content"] or "") if self.chat else choice["text"],
                     finish_reason=choice.get("finish_reason"),
                     prompt_tokens=usage.get("prompt_tokens", 0),
                     completion_tokens=usage.get("completion_tokens", 0),

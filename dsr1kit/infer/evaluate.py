@@ -5,7 +5,7 @@ set's own schema into an item or excludes it with a reason (no gold, needs an im
 questions whose prompt plus ``max_new_tokens`` do not fit the served context are excluded "over the
 context" — so every score is "scored on n of N" with N every row asked for, as the recipe learned with
 HLE (a subset score is not the benchmark's score). Prompts are the served prompts training labels after
-(`data.render`), and answers are read by `answers.parse_answer`: never from the reasoning, by rules whose
+(`data.render`), and answers are read by `answers.parse_row`: never from the reasoning, by rules whose
 use is counted, "unparseable" (scored wrong) when none reads one. Each item is scored as its benchmark's
 owners score it: choice on the option letter, math for equivalence (math-verify), others by normalised
 exact match.
@@ -28,7 +28,7 @@ from ..data.chat import to_messages
 from ..data.render import opens_reasoning, served_prompt
 from ..run.paths import resolve
 from .answers import TRUNCATED as UNPARSEABLE_TRUNCATED
-from .answers import UNPARSEABLE, normalize, parse_answer
+from .answers import UNPARSEABLE, normalize, parse_row, ran_out_thinking, thinking_of
 from .client import ClientConfig, CompletionClient, Request, read_answers
 
 Z95 = 1.959964
@@ -49,14 +49,20 @@ class Prompt:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     question: str = ""  # the question as asked (a judge reads it beside the answer)
+    messages: list[dict] = field(
+        default_factory=list
+    )  # the chat the token ids render (the chat route's prompt)
 
     @property
     def n_options(self) -> int:
         """Options the answer is read among: the lettered ones, or those inside an HLE question."""
         return len(self.options) if self.kind == CHOICE else int(self.meta.get("n_choices", 0))
 
-    def request(self) -> Request:
-        return Request(self.id, self.token_ids, {"meta": self.meta} if self.meta else {})
+    def request(self, chat: bool = False) -> Request:
+        """As token ids (``/v1/completions``), or ``chat``: as messages the server renders with the model's
+        template (``/v1/chat/completions``, where a reasoning parser splits the reasoning off)."""
+        prompt = self.messages if chat else self.token_ids
+        return Request(self.id, prompt, {"meta": self.meta} if self.meta else {})
 
 
 @dataclass
@@ -145,6 +151,7 @@ def build_prompts(items: list[Item], tokenizer, system_prompt: str) -> list[Prom
                 item.source,
                 dict(item.meta),
                 item.question,
+                messages,
             )
         )
     return prompts
@@ -194,10 +201,12 @@ def account(adapted: Adapted, context: ContextFilter) -> Accounting:
 # -- answers
 
 
-def is_correct(prompt: Prompt, text: str) -> tuple[bool, str, str]:
-    """(correct, extracted prediction, rule that read it) for one generation, scored by the item's kind."""
+def is_correct(prompt: Prompt, answer: str | dict) -> tuple[bool, str, str]:
+    """(correct, extracted prediction, rule that read it) for one generation (its text, or its answer row),
+    scored by the item's kind."""
     n_options = prompt.n_options
-    parsed = parse_answer(text, n_options, prompt.options, prompt.reasoning_open)
+    row = {"text": answer} if isinstance(answer, str) else answer
+    parsed = parse_row(row, n_options, prompt.options, prompt.reasoning_open)
     if parsed.value is None:
         return False, "", parsed.rule
     gold = prompt.gold
@@ -252,7 +261,7 @@ def score(
     rows = []
     for p in prompts:
         ans = answers.get(p.id) or {}
-        ok, pred, rule = is_correct(p, ans.get("text", "")) if ans else (False, "", "no answer")
+        ok, pred, rule = is_correct(p, ans) if ans else (False, "", "no answer")
         if ans and p.kind == JUDGED and judgments is not None and not rule.startswith(UNPARSEABLE_TRUNCATED):
             ok, pred, rule = _judged(judgments, p.id)
         rows.append(
@@ -265,12 +274,16 @@ def score(
                 "correct": ok,
                 "rule": rule,
                 "answered": bool(ans) and not ans.get("error"),
+                "ran_out_thinking": bool(ans) and ran_out_thinking(ans, p.reasoning_open),
                 "text": ans.get("text", ""),
+                "thinking": thinking_of(ans, p.reasoning_open) if ans else "",
+                "prompt_tokens": len(p.token_ids),
+                "served_prompt_tokens": ans.get("prompt_tokens", 0),
             }
         )
-    per_example = pd.DataFrame(
-        rows, columns=["id", "kind", "category", "gold", "prediction", "correct", "rule", "answered", "text"]
-    )
+    columns = ["id", "kind", "category", "gold", "prediction", "correct", "rule", "answered"]
+    columns += ["ran_out_thinking", "text", "thinking", "prompt_tokens", "served_prompt_tokens"]
+    per_example = pd.DataFrame(rows, columns=columns)
     totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
     table = []
     groups = [("all", per_example)] + sorted(per_example.groupby("category"), key=lambda g: g[0])
@@ -285,6 +298,7 @@ def score(
                 "ci95_low": lo,
                 "ci95_high": hi,
                 "correct": k,
+                "ran_out_thinking": int(df["ran_out_thinking"].sum()),
                 "n": n,
                 "N": big_n,
                 "scored_on": f"{n} of {big_n}",
@@ -327,12 +341,13 @@ def run_eval(
         timeout_s=client.timeout_s,
         retries=client.retries,
         key_env=client.key_env,
+        chat=client.chat,
     )
     with tqdm(
         total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress
     ) as bar:
         return http.complete(
-            [pr.request() for pr in prompts],
+            [pr.request(client.chat) for pr in prompts],
             out_path,
             max_tokens=client.max_tokens,
             temperature=client.temperature,

@@ -159,7 +159,8 @@ def results_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for task, metrics in sorted(results.get("results", {}).items()):
         for key, value in sorted(metrics.items()):
-            if key == "alias" or "_stderr," in key or not isinstance(value, (int, float)):
+            # metrics are "metric,filter"; "alias", "name", "sample_len" (lm-eval 0.4.13) are not
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
                 continue
             metric, _, filt = key.partition(",")
             stderr = metrics.get(f"{metric}_stderr,{filt}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..benchmarks import JUDGED
 from . import auth
-from .answers import after_reasoning
+from .answers import response_of
 from .client import CompletionClient, Request, Stats, read_answers
 
 # HLE's judge prompt, as its judge script sends it.
@@ -138,7 +138,7 @@ def requests_for(prompts, answers: dict[str, dict]) -> list[Request]:
         answer = answers.get(p.id)
         if p.kind != JUDGED or not answer:
             continue
-        response = after_reasoning(answer.get("text", ""), p.reasoning_open)
+        response = response_of(answer, p.reasoning_open)
         if response is None:
             continue
         prompt = JUDGE_PROMPT.format(question=p.question, response=response.strip(), correct_answer=p.gold)

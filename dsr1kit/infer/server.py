@@ -66,6 +66,7 @@ class ServerSpec:
     seed: int = 0  # --seed: sampling and initialisation
     lora_modules: dict[str, str] = field(default_factory=dict)  # served name -> adapter dir (--enable-lora)
     max_lora_rank: int = 16  # --max-lora-rank: at least every served adapter's r
+    reasoning_parser: str = ""  # --reasoning-parser: chat answers come back as reasoning + content
     extra_args: tuple[str, ...] = ()  # further server arguments, verbatim
     env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"})  # server environment
     server_key_env: str = (
@@ -114,6 +115,8 @@ class ServerSpec:
             cmd.append("--enable-expert-parallel")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.reasoning_parser:
+            cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.lora_modules:
             cmd += [
                 "--enable-lora",

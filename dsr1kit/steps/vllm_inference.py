@@ -56,6 +56,7 @@ def server_spec(
         seed=p.seed,
         lora_modules=dict(lora_modules or {}),
         max_lora_rank=p.max_lora_rank if max_lora_rank is None else max_lora_rank,
+        reasoning_parser=p.reasoning_parser,
         extra_args=tuple(p.extra_args) + (judge.SERVED_JUDGE_ARGS if p.judge_url == "served" else ()),
         env=dict(p.server_env),
         server_key_env=p.server_key_env,
@@ -84,6 +85,7 @@ def client_config(p) -> ClientConfig:
         max_tokens=p.max_new_tokens,
         temperature=p.temperature,
         key_env=p.server_key_env,
+        chat=bool(p.reasoning_parser),
     )
 
 
@@ -425,6 +427,7 @@ def verdict(result: EvalResult) -> Verdict:
     lines = [
         f"{label}: {r['accuracy']:.1%}, 95% CI [{r['ci95_low']:.1%}, {r['ci95_high']:.1%}], "
         f"{r['correct']} correct, scored on {r['scored_on']}"
+        + (f"; {r['ran_out_thinking']} ran out of tokens while thinking" if r.get("ran_out_thinking") else "")
         for label, r in ((label, t.iloc[0]) for label, t in tables.items())
     ]
     lines += category_changes(tables)
@@ -497,8 +500,66 @@ def unparseable_frame(examples, limit: int = 20):
 def accuracy_frame(tables):
     import pandas as pd
 
-    cols = ["model", "category", "accuracy", "ci95_low", "ci95_high", "correct", "scored_on"]
+    cols = [
+        "model",
+        "category",
+        "accuracy",
+        "ci95_low",
+        "ci95_high",
+        "correct",
+        "ran_out_thinking",
+        "scored_on",
+    ]
     return pd.concat([t.assign(model=label) for label, t in tables.items()])[cols]
+
+
+def thinking_frame(examples, tokenizer, max_new_tokens: int):
+    """Per model, how long it thought (tokens of reasoning, by the model's tokenizer) and how many answers
+    ran out of tokens while thinking (no answer: not a wrong one); None when no model reasoned. Also the
+    rows whose prompt the server counted otherwise than the kit (the chat route renders its own)."""
+    import pandas as pd
+
+    rows = []
+    for label, df in examples.items():
+        answered = df[df["answered"]]
+        lengths = pd.Series(
+            [len(tokenizer.encode(t, add_special_tokens=False)) for t in answered["thinking"]]
+        )
+        if not (lengths > 0).any():
+            continue
+        served = answered["served_prompt_tokens"]
+        rows.append(
+            {
+                "model": label,
+                "answered": len(answered),
+                "thinking_tokens_mean": round(float(lengths.mean()), 1),
+                "thinking_tokens_median": float(lengths.median()),
+                "thinking_tokens_p90": float(lengths.quantile(0.9)),
+                "thinking_tokens_max": int(lengths.max()),
+                "ran_out_thinking": int(answered["ran_out_thinking"].sum()),
+                "max_new_tokens": max_new_tokens,
+                "prompt_tokens_differ": int(((served > 0) & (served != answered["prompt_tokens"])).sum()),
+                "lengths": lengths.tolist(),
+            }
+        )
+    return pd.DataFrame(rows) if rows else None
+
+
+def thinking_figure(frame):
+    """Histogram of reasoning length per model, with max_new_tokens marked: where answers ran out."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for row in frame.itertuples():
+        ax.hist(row.lengths, bins=30, alpha=0.6, label=f"{row.model} ({row.ran_out_thinking} ran out)")
+    ax.axvline(
+        frame["max_new_tokens"].iloc[0], color="k", linestyle="--", linewidth=1, label="max_new_tokens"
+    )
+    ax.set_xlabel("reasoning length (tokens)")
+    ax.set_ylabel("answers")
+    ax.legend()
+    plt.close(fig)
+    return fig
 
 
 def accuracy_table(frame):
