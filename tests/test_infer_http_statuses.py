@@ -130,3 +130,17 @@ def test_a_deep_temp_dir_gets_a_short_socket_folder_for_the_server(tmp_path):
         made = server._rpc_dir
         assert made is not None and made.is_dir()
     assert not made.exists()  # removed with the server
+
+
+def test_an_answer_torn_by_a_kill_is_asked_again_and_the_next_one_is_not_lost(tmp_path):
+    """A process killed mid-write leaves a last line without its newline: that id is asked again, and the
+    first answer appended after it gets a line of its own (every id is in the file once, readable)."""
+    out = tmp_path / "answers.jsonl"
+    out.write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + '{"id": "b", "te')
+    with _stub(tmp_path, "ok") as server:
+        stats = CompletionClient(server.base_url, "model", concurrency=1).complete(
+            [Request(i, f"prompt {i}") for i in "abc"], out, max_tokens=4
+        )
+    assert (stats.skipped, stats.answered) == (1, 2)
+    assert sorted(read_answers(out)) == ["a", "b", "c"]
+    assert sorted(_asked(server)) == ["prompt b", "prompt c"]

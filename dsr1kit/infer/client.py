@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,7 @@ class CompletionClient:
 
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
+        _end_torn_line(out_path)
         done = read_answers(out_path)
         todo = [r for r in requests if r.id not in done]
         stats = Stats(skipped=len(requests) - len(todo), requested=[r.id for r in todo])
@@ -266,6 +268,16 @@ class CompletionClient:
     def complete(self, requests: list[Request], out_path: str | Path, **kwargs) -> Stats:
         """Synchronous wrapper; works inside a running event loop (a Jupyter kernel) too."""
         return run_sync(self.acomplete(requests, out_path, **kwargs))
+
+
+def _end_torn_line(path: Path) -> None:
+    """A process killed mid-write leaves a last line without its newline: end it, so that the next answer
+    appended starts a line of its own instead of being lost with the torn one."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def run_sync(coro):
