@@ -128,6 +128,41 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, full_run):
     assert steps == [2, 4, 6, 8, 10, 12]  # no duplicated lines from the killed attempt
 
 
+def _two_ranks(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    port = free_port()
+    env = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [_train(run_dir, *extra, env={**env, "RANK": str(r)}, wait=False) for r in range(2)]
+
+
+def test_two_ranks_with_dropout_resume_bit_identically(tmp_path):
+    """Every rank's RNG is in the checkpoint: with lora_dropout > 0 the ranks draw different masks (their
+    batches differ in length), so a resume that gave every rank rank 0's state would train another adapter."""
+    extra = ("-p", "lora_dropout", "0.1", "-p", "epochs", "2")  # 2 ranks: 6 steps per epoch, 12 in all
+    procs = _two_ranks(tmp_path / "whole", *extra)
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    run = tmp_path / "cut"
+    procs, latest = _two_ranks(run, *extra), run / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if latest.is_file() and latest.read_text().strip() >= "step-0000003":
+            break
+        time.sleep(0.02)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2, (
+        "the run finished before it could be killed"
+    )
+    procs = _two_ranks(run, *extra)
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    info = json.loads((run / "run_info.json").read_text())
+    assert 3 <= info["resumed_from"] < 12 and info["steps_done"] == 12 and info["ranks_agree"]
+    want = (tmp_path / "whole" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == want
+
+
 def test_stop_file_checkpoints_and_reports_preemption(tmp_path):
     (tmp_path / "checkpoints").mkdir(parents=True)
     proc = _train(tmp_path, wait=False)

@@ -1,7 +1,7 @@
 """Checkpoints that survive preemption: one object with everything needed to resume exactly.
 
 ``checkpoints/step-<N>/state.pt`` holds the trainable (LoRA) weights,
-optimizer and scheduler state, RNG states and the data position; it is
+optimizer and scheduler state, every rank's RNG state and the data position; it is
 written to a temp folder and renamed, and ``checkpoints/latest`` (also
 replaced atomically) names the newest complete one. A process killed at any
 moment leaves either the previous or the new checkpoint, never half of one.
@@ -27,6 +27,22 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def rank_rng_state(saved: dict[str, Any] | list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """This rank's RNG state from a checkpoint: each rank's is saved (their dropout masks differ, since
+    their batches do); a checkpoint of one state (older, or one rank) gives that one to every rank."""
+    if isinstance(saved, dict):
+        return saved
+    if rank >= len(saved):  # another world size: its data order differs anyway, so this resume is not exact
+        import warnings
+
+        warnings.warn(
+            f"the checkpoint holds the RNG states of {len(saved)} ranks; rank {rank} takes rank "
+            f"{rank % len(saved)}'s (a resume with another number of ranks is not bit-identical)",
+            stacklevel=2,
+        )
+    return saved[rank % len(saved)]
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

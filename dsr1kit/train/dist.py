@@ -107,13 +107,18 @@ def any_rank(flag: bool) -> bool:
     return allreduce_scalar(1.0 if flag else 0.0, "max") > 0
 
 
-def gather_strings(value: str) -> list[str]:
-    """Every rank's value, in rank order."""
+def gather_objects(value):
+    """Every rank's (picklable) value, in rank order."""
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
         return [value]
-    out: list[str] = [""] * tdist.get_world_size()
+    out = [None] * tdist.get_world_size()
     tdist.all_gather_object(out, value)
     return out
+
+
+def gather_strings(value: str) -> list[str]:
+    """Every rank's value, in rank order."""
+    return gather_objects(value)
 
 
 def gather_hostnames() -> list[str]:

@@ -203,7 +203,7 @@ def train(
                 q.copy_(state["trainable"][n])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
+        checkpoint.set_rng_state(checkpoint.rank_rng_state(state["rng"], info.rank))
         start = result.resumed_from = state["progress"]["step"]
         if info.is_main:
             _truncate_metrics(metrics_path, start)
@@ -213,6 +213,7 @@ def train(
     dist.barrier()
 
     def save(step: int) -> None:
+        rng = dist.gather_objects(checkpoint.rng_state())  # every rank's: their dropout masks differ
         if info.is_main:
             checkpoint.save(
                 run_dir,
@@ -221,7 +222,7 @@ def train(
                     "trainable": {n: q.detach().cpu().clone() for n, q in zip(names, params)},
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
-                    "rng": checkpoint.rng_state(),
+                    "rng": rng,
                     "params": dict(cfg.settings),
                     "progress": {"step": step, "epoch": step // per_epoch, "total_steps": total},
                 },
