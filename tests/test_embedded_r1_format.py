@@ -130,3 +130,60 @@ def test_fp8_merge_reproduces_base_plus_adapter_not_the_base(snapshot, adapter_d
     assert (
         _tensor(merged_dir, "model.layers.1.self_attn.q_a_proj.weight").dtype == FP8_DTYPE
     )  # the rest untouched
+
+
+@pytest.mark.parametrize("where", ["same filesystem", "another filesystem"])
+def test_a_merge_writes_only_the_shards_the_adapter_changes(snapshot, adapter_dir, tmp_path, where):
+    """The merged checkpoint's other shards are the base's own files (hard links, or relative symbolic
+    links where the run folder is on another filesystem than the model, as from a node-local cache to a
+    shared one): the bytes written are the changed shards plus the small files. The merge still computes
+    base + adapter, and redacting the run folder touches none of the base's bytes."""
+    import os
+    import shutil
+    import tempfile
+
+    from dsr1kit.run.redact import redact_tree
+
+    root = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "another filesystem" else tmp_path
+    try:
+        assert (os.stat(root).st_dev != os.stat(snapshot).st_dev) == (where == "another filesystem")
+        out = merge_into_copy(r1_format.REPO_ID, read_adapter(adapter_dir), root / "merged")
+        index = json.loads((snapshot / r1_format.INDEX_FILE).read_text())["weight_map"]
+        changed = {index[f"{m}.weight"] for m in ADAPTED}
+        written = {
+            p.name: p.stat().st_size for p in out.iterdir() if not p.is_symlink() and p.stat().st_nlink == 1
+        }
+        shards = {p.name for p in snapshot.glob("*.safetensors")}
+        assert changed < shards and set(written) & shards == changed  # only the changed shards were written
+        small = sum(size for name, size in written.items() if name not in shards)
+        assert small < 64 * 1024  # index, config, MERGED_FROM.json
+        for name in shards - changed:
+            link = out / name
+            assert link.is_symlink() if where == "another filesystem" else link.stat().st_nlink > 1
+            assert link.resolve().read_bytes() == (snapshot / name).resolve().read_bytes()
+            if link.is_symlink():
+                assert not os.path.isabs(os.readlink(link))  # relative: the folder can move with its base
+        model_bytes = sum((snapshot / n).resolve().stat().st_size for n in shards)
+        print(f"{where}: wrote {sum(written.values())} of {model_bytes} bytes of shards and files")
+        # a secret whose bytes occur by chance in the weights of a linked and of a written shard
+        before = {n: (out / n).resolve().read_bytes() for n in shards}
+        secrets = [_printable_run(before[name]) for name in (sorted(shards - changed)[0], sorted(changed)[0])]
+        assert redact_tree(out, secrets) == []
+        assert {n: (out / n).resolve().read_bytes() for n in shards} == before  # base and merge untouched
+        merged = load_streaming(
+            out, nf4_linears=False, nf4_experts=False, dtype=torch.float32, progress=False
+        )
+        assert merged is not None
+    finally:
+        if where == "another filesystem":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _printable_run(shard: bytes, n: int = 5) -> str:
+    """n bytes of a shard's tensor data that read as printable ASCII (what a short secret could equal)."""
+    start = 8 + int.from_bytes(shard[:8], "little")  # after the safetensors header
+    for i in range(start, len(shard) - n):
+        chunk = shard[i : i + n]
+        if all(0x21 <= b <= 0x7E and b != 0x2A for b in chunk):
+            return chunk.decode()
+    raise AssertionError("no printable run in the shard's data")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,11 +42,14 @@ def _weight_map(folder: Path) -> dict[str, str]:
         raise AdapterError(str(err)) from err
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _link(src: Path, dst: Path) -> None:
+    """An unchanged file of the base in the merged checkpoint: a hard link (same filesystem), else a
+    relative symbolic link to the base's file -- never a copy (R1's unchanged shards are ~690 GB)."""
+    target = src.resolve()  # a hub cache's snapshot file is itself a link to its blob
     try:
-        os.link(src, dst)
+        os.link(target, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        os.symlink(os.path.relpath(target, dst.parent.resolve()), dst)
 
 
 def _to_bf16(tensors: dict[str, torch.Tensor], key: str, delta: torch.Tensor | None = None) -> None:
@@ -115,9 +117,9 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
             item.is_file()
             and item.name not in by_shard
             and item.name not in rewritten
-            and not (out / item.name).exists()
+            and not os.path.lexists(out / item.name)
         ):
-            _link_or_copy(item, out / item.name)
+            _link(item, out / item.name)
     kept_bf16: list[str] = []
     for shard, modules in by_shard.items():
         tensors = load_file(base / shard)

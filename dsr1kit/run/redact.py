@@ -28,6 +28,13 @@ SECRET_ENV_NAME = re.compile(
     r"(?:^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|APIKEY|CREDENTIALS?)(?:$|_)", re.I
 )
 MIN_SECRET_CHARS = 4
+# Not scanned: weights the kit writes from tensors alone (a safetensors file is a JSON header of tensor
+# names, dtypes, shapes and offsets, then raw numbers: no environment value gets there), and any file whose
+# data has another name (a hard link: a merged checkpoint's unchanged shards are the base model's own). A
+# secret's bytes occur in weights by chance (a 4-character value ~160 times in R1's 690 GB): masking them
+# would corrupt the weights, and through a link the base checkpoint itself; reading them would re-read the
+# whole model after every run.
+UNSCANNED_SUFFIXES = (".safetensors",)
 NOT_SECRET_VALUES = {"true", "false", "none", "null", "yes", "no", "auto"}
 CHUNK = 16 * 2**20
 
@@ -74,15 +81,26 @@ def redact_file(path: Path, values: list[str]) -> bool:
     return found
 
 
+def scanned(path: Path) -> bool:
+    """A file redaction reads: its own data (no symlink, no hard link), not a weights file (see above)."""
+    return (
+        path.is_file()
+        and not path.is_symlink()
+        and not path.name.endswith(UNSCANNED_SUFFIXES)
+        and path.stat().st_nlink == 1
+    )
+
+
 def redact_tree(root: Path, values: list[str] | None = None) -> list[str]:
-    """Mask secrets in every file under root (no size limit); the files touched, relative to root."""
+    """Mask secrets in every file under root that ``scanned`` admits (no size limit); the files touched,
+    relative to root."""
     values = secret_values() if values is None else values
     if not values:
         return []
     return [
         str(p.relative_to(root))
         for p in sorted(Path(root).rglob("*"))
-        if p.is_file() and not p.is_symlink() and redact_file(p, values)
+        if scanned(p) and redact_file(p, values)
     ]
 
 
