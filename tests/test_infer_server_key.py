@@ -107,6 +107,7 @@ def test_notebook_10_runs_against_a_protected_server_and_the_key_is_nowhere(tiny
     assert all(answers == {(401, 200)} for answers in watch.answers.values()), watch.answers
     assert not watch.argv_with_key
     assert not files_holding(run_dir, KEY) and KEY not in proc.stdout + proc.stderr
+    assert not files_holding(run_dir, "*" * len(KEY))  # not even masked afterwards: it was never written
     assert "sk-not-for-local-servers" not in (run_dir / "logs" / "lm_eval-base.log").read_text()
     assert_no_server_left()
 
