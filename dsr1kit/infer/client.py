@@ -50,9 +50,7 @@ class ClientConfig:
     max_tokens: int  # generated tokens per answer
     temperature: float  # 0: greedy
     key_env: str  # the environment variable holding the server's key ('' for none); never the key
-    chat: (
-        bool  # ask /v1/chat/completions with messages (a reasoning parser splits reasoning off) or token ids
-    )
+    chat: bool  # ask /v1/chat/completions with messages (a reasoning parser applies), else token ids
 
 
 @dataclass
