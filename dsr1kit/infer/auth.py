@@ -41,16 +41,19 @@ def refused_note(env: str, what: str = "server_key_env") -> str:
 def server_env(env: str, inherited: dict[str, str]) -> dict[str, str]:
     """The environment of a server the kit starts: it demands exactly the key in ``env`` (no key when that is
     unset or '') -- an inherited ``VLLM_API_KEY`` that the kit's clients would not send is not passed on."""
-    out = {k: v for k, v in inherited.items() if k != SERVER_KEY_VAR}
-    if key(env):
-        out[SERVER_KEY_VAR] = key(env)
-    return out
+    return _with_key(SERVER_KEY_VAR, env, inherited)
 
 
 def harness_env(env: str, inherited: dict[str, str]) -> dict[str, str]:
     """The environment of an lm-eval process asking a server whose key is in ``env``: that key as lm-eval's
     ``OPENAI_API_KEY``, and never another (a real OpenAI key of the user's is not sent to a local server)."""
-    out = {k: v for k, v in inherited.items() if k != HARNESS_KEY_VAR}
-    if key(env):
-        out[HARNESS_KEY_VAR] = key(env)
+    return _with_key(HARNESS_KEY_VAR, env, inherited)
+
+
+def _with_key(var: str, env: str, inherited: dict[str, str]) -> dict[str, str]:
+    """``inherited`` with ``var`` holding the key in ``env``, or without ``var`` when there is no key."""
+    out = {k: v for k, v in inherited.items() if k != var}
+    value = key(env)
+    if value:
+        out[var] = value
     return out
