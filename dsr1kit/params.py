@@ -180,6 +180,12 @@ class ClusterCheckParams(NotebookParams):
     expected_busbw_gbps: float = Field(
         0.0, ge=0, description="Expected all-reduce bus bandwidth, GB/s; 0: no target"
     )
+    staged_model: str = Field(
+        "", description="Model every node must hold complete (repo id or folder); '': not checked"
+    )
+    staged_model_dir: str = Field(
+        "", description="Hub cache the repo id is staged in; '': $HF_HUB_CACHE; {node}: each node's own"
+    )
     ray_address: str = Field("", description="Ray head to inspect (host:port); '': no Ray check")
     ray_expected_gpus: int = Field(0, ge=0, description="GPUs Ray must report; 0: not checked")
     rank_results_dir: str = Field(

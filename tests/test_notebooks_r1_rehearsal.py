@@ -122,6 +122,8 @@ def test_cluster_check_with_r1_preflight_plans_r1s_steps(runs):
         "memory plan 30_adapter_inspection",
     ]
     assert all(r["status"] == "pass" for r in planned) and len(s["memory_plans"]) == 3
+    [staged] = [r for r in s["checks"] if r["name"] == "model staged"]  # R1's stand-in, found by repo id
+    assert staged["status"] == "pass" and f"{REPO_ID}: complete" in staged["measured"], staged
 
 
 def test_hari_on_r1_format_trains_the_reasoning(hari):

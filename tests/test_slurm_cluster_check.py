@@ -5,6 +5,9 @@ Two jobs, each shared by the tests of one behaviour:
 - the recipe's mistakes at once, `--ntasks-per-node=8 --gpus-per-task=1`, a /dev/shm threshold
   above what exists and a scratch dir that does not: the job fails with a complete report whose
   failing rows carry their fixes.
+Before both, slurm/stage.sbatch stages the R1-format tiny checkpoint on both nodes from a "shared" hub cache,
+each into its own folder ({node} in the path); the first job checks both copies complete, the second a copy
+whose shard on n2 was cut short.
 Both "nodes" live on this host, so each gets a loopback alias for Ray (DSR1KIT_NODE_IPS) and the
 collectives use `lo`; DSR1KIT_RAY_STOP_ALL=0 keeps other Ray users on this machine alive.
 """
@@ -12,11 +15,15 @@ collectives use `lo`; DSR1KIT_RAY_STOP_ALL=0 keeps other Ray users on this machi
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
+
+from dsr1kit.embedded import r1_format
+from dsr1kit.model import staging
 
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = "slurm/cluster_check.sbatch"
@@ -58,13 +65,60 @@ def rows(result: dict, name: str) -> list[dict]:
     return [r for r in result["summary"]["checks"] if r["name"] == name]
 
 
-@pytest.fixture(scope="module")
-def two_nodes(slurm, tmp_path_factory):
-    return submit(slurm, tmp_path_factory.mktemp("ok"), "-N", "2", params=("-p", "expected_nodes", "2"))
+REPO = r1_format.REPO_ID
 
 
 @pytest.fixture(scope="module")
-def mistakes(slurm, tmp_path_factory):
+def staged(slurm, tmp_path_factory):
+    """`sbatch -N 2 slurm/stage.sbatch REPO --from SHARED --to NODES/{node}/hub`: (job, NODES)."""
+    tmp = tmp_path_factory.mktemp("stage")
+    r1_format.build()
+    shared = r1_format.hf_home() / "hub"  # the rehearsal's hub cache, as a shared copy
+    nodes = tmp / "nodes"
+    job_id = slurm.sbatch(
+        f"--output={tmp}/%x-%j.out",
+        "-N",
+        "2",
+        "slurm/stage.sbatch",
+        REPO,
+        "--from",
+        str(shared),
+        "--to",
+        f"{nodes}/{{node}}/hub",
+        env={"NVME_DIR": str(tmp / "nvme"), "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+    return slurm.wait_job(job_id, timeout=300), nodes
+
+
+def staged_params(nodes: Path) -> tuple[str, ...]:
+    return ("-p", "staged_model", REPO, "-p", "staged_model_dir", f"{nodes}/{{node}}/hub")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm, tmp_path_factory, staged):
+    return submit(
+        slurm,
+        tmp_path_factory.mktemp("ok"),
+        "-N",
+        "2",
+        params=("-p", "expected_nodes", "2", *staged_params(staged[1])),
+    )
+
+
+@pytest.fixture(scope="module")
+def cut_shard(staged, tmp_path_factory) -> tuple[Path, str]:
+    """A copy of the staged nodes' folders where n2's copy of one shard was cut off half-way."""
+    nodes = tmp_path_factory.mktemp("cut") / "nodes"
+    shutil.copytree(staged[1], nodes, symlinks=True)
+    folder = staging.snapshot(nodes / "n2" / "hub", REPO)
+    shard = sorted(p for p in folder.iterdir() if p.name.endswith(".safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return nodes, shard.name
+
+
+@pytest.fixture(scope="module")
+def mistakes(slurm, tmp_path_factory, cut_shard):
     return submit(
         slurm,
         tmp_path_factory.mktemp("bad"),
@@ -83,8 +137,32 @@ def mistakes(slurm, tmp_path_factory):
             "-p",
             "scratch_dir",
             "/nonexistent/nvme",
+            *staged_params(cut_shard[0]),
         ),
     )
+
+
+# -- staging ------------------------------------------------------------------------------------------
+def test_stage_job_copies_the_checkpoint_to_each_node_and_checks_it(staged):
+    job, nodes = staged
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
+    for node in ("n1", "n2"):
+        assert f"{node}: {REPO}: complete" in job.output, job.output
+        assert staging.check(REPO, nodes / node / "hub").complete
+
+
+def test_cluster_check_passes_a_complete_copy_on_both_nodes(two_nodes):
+    found = rows(two_nodes, "model staged")
+    assert [(r["host"], r["status"]) for r in found] == [("n1", "pass"), ("n2", "pass")]
+    assert all(f"{REPO}: complete" in r["measured"] for r in found)
+
+
+def test_cluster_check_fails_naming_the_node_and_the_cut_shard(mistakes, cut_shard):
+    found = {r["host"]: r for r in rows(mistakes, "model staged")}
+    assert (found["n1"]["status"], found["n2"]["status"]) == ("pass", "fail")
+    assert cut_shard[1] in found["n2"]["measured"] and "truncated" in found["n2"]["measured"]
+    assert "slurm/stage.sbatch" in found["n2"]["fix"] and "-w n2" in found["n2"]["fix"]
+    assert "FAIL model staged on n2" in (mistakes["run_dir"] / "report.html").read_text()
 
 
 # -- the kit's layout -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`dsr1kit run | demo | plan | runs | tiny | lab | train | rank-check | parameters-cell`: the kit's command line."""
+"""The kit's command line: `dsr1kit run | demo | plan | stage | runs | tiny | lab | train | rank-check |
+parameters-cell`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..steps.parameters import ParamsError
 from . import jobs
 from .args import add_params_options, load_params, overrides
 from .lab import cmd_lab
+from .stage import add_stage
 
 DEMO_ORDER = ("00_cluster_check", "20_hari_training", "10_vllm_inference", "30_adapter_inspection")
 
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-gib", type=float, default=None, help="host memory available, GiB (default: this node's)"
     )
     plan.set_defaults(func=_cmd_plan)
+
+    add_stage(sub)
 
     runs = sub.add_parser("runs", help="list run folders with status and headline metric")
     runs.add_argument("--runs-dir", default="runs")

@@ -242,18 +242,44 @@ def check_scratch(path: str, min_free_gib: float) -> Row:
     )
 
 
+def check_staged_model(model: str, cache: str = "") -> Row:
+    """The model the next jobs read is on this node and complete (no byte of the weights read)."""
+    from ..model import staging
+
+    result = staging.check(model, cache or None)
+    if result.complete:
+        return Row("model staged", PASS, result.describe(), "present and complete", "", _host())
+    where = f" --to {cache}" if cache else ""
+    return Row(
+        "model staged",
+        FAIL,
+        result.describe(),
+        "present and complete",
+        f"stage it on this node before the job: sbatch -w {_host()} slurm/stage.sbatch {model}{where} "
+        "[--from SHARED_COPY] (it resumes; a truncated file is copied again)",
+        _host(),
+    )
+
+
 def overall(rows: Iterable[Row]) -> str:
     statuses = {r.status for r in rows}
     return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
 
 
 def local_checks(
-    expected_gpus_per_node: int, shm_min_free_gib: float, scratch_dir: str, scratch_min_free_gib: float
+    expected_gpus_per_node: int,
+    shm_min_free_gib: float,
+    scratch_dir: str,
+    scratch_min_free_gib: float,
+    staged_model: str = "",
+    staged_model_dir: str = "",
 ) -> list[Row]:
     """The checks that need nothing but this machine."""
     rows = [check_python(), *check_packages(), check_gpus(expected_gpus_per_node)]
     rows += check_shm(shm_min_free_gib)
     rows.append(check_scratch(scratch_dir, scratch_min_free_gib))
+    if staged_model:
+        rows.append(check_staged_model(staged_model, staged_model_dir))
     return rows
 
 

@@ -42,6 +42,8 @@ class RankCheckConfig:
     allreduce_timeout_s: float
     expected_busbw_gbps: float  # 0: no target
     local_ranks: int  # outside Slurm: processes started on this machine
+    staged_model: str = ""  # repo id or folder every node must hold complete ('': not checked)
+    staged_model_dir: str = ""  # the hub cache (repo id) it is staged in; '': $HF_HUB_CACHE; {node}: per node
 
     def to_params(self) -> dict[str, Any]:
         """As notebook 00's parameters (a YAML file the rank processes read)."""
@@ -65,7 +67,12 @@ def collect(
     ip = None
     if local_rank == 0:  # node-level checks: once per node
         rows += checks.local_checks(
-            cfg.expected_gpus_per_node, cfg.shm_min_free_gib, cfg.scratch_dir, cfg.scratch_min_free_gib
+            cfg.expected_gpus_per_node,
+            cfg.shm_min_free_gib,
+            cfg.scratch_dir,
+            cfg.scratch_min_free_gib,
+            cfg.staged_model,
+            cfg.staged_model_dir,
         )
         rows.append(net.check_interface(cfg.expected_gpus_per_node > 0, loopback_ok))
         try:

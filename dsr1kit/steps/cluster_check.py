@@ -63,6 +63,8 @@ def rank_check_config(p) -> RankCheckConfig:
         allreduce_timeout_s=p.allreduce_timeout_s,
         expected_busbw_gbps=p.expected_busbw_gbps,
         local_ranks=p.local_ranks,
+        staged_model=p.staged_model,
+        staged_model_dir=p.staged_model_dir,
     )
 
 
