@@ -217,6 +217,13 @@ class InferenceParams(NotebookParams):
     )
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (usually 1: TP across nodes)")
     data_parallel_size: int = Field(1, ge=1, description="Model replicas")
+    data_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="Where replicas run: mp on this node; ray on every node of the job (its Ray cluster)",
+    )
+    data_parallel_size_local: int = Field(
+        0, ge=0, description="Replicas on this node; 0: data_parallel_size / the job's nodes (ray), all (mp)"
+    )
     enable_expert_parallel: bool = Field(
         False, description="Spread MoE experts over the GPUs instead of slicing them"
     )

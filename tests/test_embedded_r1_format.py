@@ -14,7 +14,7 @@ from safetensors import safe_open
 from dsr1kit.data import templates
 from dsr1kit.embedded import r1_format
 from dsr1kit.inspection.adapter import read_adapter
-from dsr1kit.inspection.merge import merge_into_copy
+from dsr1kit.inspection.merge import merge_into_copy, merge_write_bytes
 from dsr1kit.model.fp8 import FP8_DTYPE
 from dsr1kit.model.stream_load import load_streaming
 
@@ -165,6 +165,10 @@ def test_a_merge_writes_only_the_shards_the_adapter_changes(snapshot, adapter_di
                 assert not os.path.isabs(os.readlink(link))  # relative: the folder can move with its base
         model_bytes = sum((snapshot / n).resolve().stat().st_size for n in shards)
         print(f"{where}: wrote {sum(written.values())} of {model_bytes} bytes of shards and files")
+        # the disk plan's count (headers only, before merging) holds what was written, within 10%
+        planned, rewritten = merge_write_bytes(snapshot, ADAPTED)
+        core = sum(size for name, size in written.items() if name != "MERGED_FROM.json")
+        assert rewritten == len(changed) and core <= planned <= 1.1 * core, (core, planned)
         # a secret whose bytes occur by chance in the weights of a linked and of a written shard
         before = {n: (out / n).resolve().read_bytes() for n in shards}
         secrets = [_printable_run(before[name]) for name in (sorted(shards - changed)[0], sorted(changed)[0])]
@@ -187,3 +191,19 @@ def _printable_run(shard: bytes, n: int = 5) -> str:
         if all(0x21 <= b <= 0x7E and b != 0x2A for b in chunk):
             return chunk.decode()
     raise AssertionError("no printable run in the shard's data")
+
+
+def test_vllm_gets_a_bf16_copy_where_fused_fp8_parts_are_not_block_aligned(snapshot):
+    """vLLM places each part of a fused FP8 linear at whole 128-row scale blocks: R1's parts are aligned, the
+    tiny model's q_lora_rank (64) is not, so even a CPU with AMX serves the tiny model from a bf16 copy
+    (served as stored, vLLM failed loading it: "start (1) + length (5) exceeds dimension size (5)")."""
+    from dsr1kit.infer.serve_form import checkpoint_config, fp8_blocks_servable, unaligned_fused_shards
+
+    r1 = json.loads((ROOT / "dsr1kit" / "plan" / "known_configs" / "deepseek-r1.json").read_text())
+    r1["quantization_config"] = r1_format.R1_QUANTIZATION_CONFIG
+    assert unaligned_fused_shards(r1) == []
+    tiny = checkpoint_config(r1_format.REPO_ID)
+    assert tiny is not None and unaligned_fused_shards(tiny) == [
+        "q_lora_rank (fused with kv_a_proj_with_mqa) = 64"
+    ]
+    assert not fp8_blocks_servable(tiny)

@@ -48,3 +48,75 @@ def test_r1s_lora_server_command_is_vllms(tmp_path):
     args = _vllm_reads(spec.command())
     assert args.enable_lora and args.max_lora_rank == 8 and args.max_loras == 1
     assert [(m.name, m.path) for m in args.lora_modules] == [(p.lora_name, str(tmp_path / "adapter"))]
+
+
+def _engine_config(command: list[str], tmp_path: Path):
+    """vLLM's engine config for a command line, with R1's own config.json (and the R1-format tiny model's
+    tokenizer, R1's setup) standing in for the checkpoint: what vLLM computes from the flags (world sizes, DP
+    layout, the reasoning parser) before it would load anything."""
+    import shutil
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from dsr1kit.embedded import r1_format
+
+    folder = tmp_path / "r1-config-only"
+    folder.mkdir()
+    shutil.copyfile(Path("dsr1kit/plan/known_configs/deepseek-r1.json"), folder / "config.json")
+    for name in r1_format.TOKENIZER_FILES:
+        if (r1_format.build() / name).is_file():
+            shutil.copyfile(r1_format.build() / name, folder / name)
+    args = _vllm_reads(command)
+    args.model = str(folder)
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_r1_tp16_over_two_nodes_is_one_16_gpu_replica_to_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
+    spec = vllm_inference.server_spec(p, "/models/r1")
+    assert "--data-parallel-backend" not in spec.command()  # one replica: no DP flags at all
+    parallel = _engine_config(spec.command(), tmp_path).parallel_config
+    assert (parallel.world_size, parallel.data_parallel_size, parallel.enable_expert_parallel) == (
+        16,
+        1,
+        True,
+    )
+
+
+def test_r1_data_parallel_over_two_nodes_puts_one_replica_on_each(tmp_path, monkeypatch):
+    """The DP overlay on a 2-node job: a TP-8 replica per node through the job's Ray cluster, the second
+    reaching the first at the head's address, experts spread over all 16 GPUs."""
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
+    p = params.load("notebooks/10_vllm_inference.ipynb", files, {"host": "10.1.2.3"})
+    vllm_inference.check_data_parallel(p, 2)
+    command = vllm_inference.server_spec(p, "/models/r1").command()
+    args = _vllm_reads(command)
+    assert (args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_backend) == (
+        2,
+        1,
+        "ray",
+    )
+    assert args.data_parallel_address == "10.1.2.3" and args.data_parallel_rpc_port > 0
+    parallel = _engine_config(command, tmp_path).parallel_config
+    assert (parallel.world_size, parallel.world_size_across_dp) == (8, 16)
+    assert (parallel.data_parallel_size_local, parallel.data_parallel_master_ip) == (1, "10.1.2.3")
+    assert parallel.enable_expert_parallel
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data_parallel_backend": "mp"}, "starts every replica on the first node"),
+        ({"data_parallel_size": 3}, "does not split over the job's 2 nodes"),
+    ],
+)
+def test_data_parallel_that_cannot_land_on_the_job_is_refused_before_the_server(change, message):
+    from dsr1kit.steps.preflight import BadInput
+
+    files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
+    p = params.load("notebooks/10_vllm_inference.ipynb", files, change)
+    with pytest.raises(BadInput, match=message):
+        vllm_inference.check_data_parallel(p, 2)
+    vllm_inference.check_data_parallel(p, 1)  # one node: every replica is local, nothing to refuse

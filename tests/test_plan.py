@@ -14,6 +14,7 @@ from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, re
 from dsr1kit.steps import adapter_inspection, hari_training, vllm_inference
 
 R1 = Path("params/r1-671b-2x8h100")
+ROOT = Path(__file__).resolve().parent.parent
 R1_REPO = "deepseek-ai/DeepSeek-R1-0528"
 NODE_8X80 = Machine(8, 79.6 * GIB, 1800 * GIB, "8 x H100-80GB")
 
@@ -155,6 +156,57 @@ def test_cluster_check_rows_fail_r1s_steps_on_this_node_with_the_fix():
     ]
     named = plans_for_files(specs, Machine(0, 0.0, 20 * GIB))
     rows = checks.plan_rows(named, "n1")
-    assert [r.status for r in rows] == ["fail", "pass"]  # R1 itself does not fit; the rehearsal's size does
+    memory = [r for r in rows if r.name.startswith("memory plan")]
+    assert [r.status for r in memory] == ["fail", "pass"]  # R1 itself does not fit; the rehearsal's size does
+    assert [r.name for r in rows if r.name.startswith("disk plan")] == ["disk plan 20_hari_training"] * 2
+    rows = memory
     assert rows[0].name == "memory plan 20_hari_training: HARI load + step"
     assert "run on a node with 8 GPU(s)" in rows[0].fix and rows[0].measured.startswith("host ")
+
+
+# -- disk ---------------------------------------------------------------------------------------------
+def test_disk_plan_refuses_r1s_prefix_cache_on_a_too_small_disk_before_anything_runs(tmp_path):
+    """R1's training params with a prefix cache: `dsr1kit plan` counts the cache (rows × max_len × hidden ×
+    2 B), the checkpoints and the adapter, and refuses a disk that cannot hold them, naming what to change."""
+    args = ["plan", str(R1 / "20_hari_training.yaml"), "--gpus", "8", "--gpu-gib", "80", "--host-gib", "1800"]
+    args += ["-p", "prefix_cache", str(tmp_path / "prefix"), "--run-dir", str(tmp_path / "run")]
+    refused = run_cli(*args, "--disk-free-gib", "5")
+    assert refused.returncode == 3, refused.stderr[-2000:]
+    assert "the disk plan for HARI training does not fit" in refused.stdout
+    assert "prefix_cache: a folder on a filesystem with room" in refused.stdout
+    assert "× 14,336 B (hidden 7,168 in bfloat16)" in refused.stdout  # R1's hidden state per token in bf16
+    assert not (tmp_path / "prefix").exists() and not (tmp_path / "run").exists()  # nothing was written
+    ok = run_cli(*args, "--disk-free-gib", "1000")
+    assert ok.returncode == 0, ok.stdout[-3000:]
+    assert "disk plan, HARI training:" in ok.stdout and "prefix cache" in ok.stdout
+
+
+def test_disk_plan_sums_what_one_filesystem_receives(tmp_path):
+    from dsr1kit.plan import DiskPlan, DiskPlanError, Write
+
+    writes = [
+        Write("a", str(tmp_path / "x"), 3 * GIB, "three", "move a"),
+        Write("b", str(tmp_path / "not" / "yet" / "made"), 2 * GIB, "two", "move b"),
+    ]
+    assert DiskPlan("step", writes, free_override=5 * GIB).fits  # each fits alone, and both together
+    plan = DiskPlan("step", writes, free_override=4 * GIB)
+    assert not plan.fits and plan.advice == ["move a", "move b"]
+    with pytest.raises(DiskPlanError, match="has 4.0 GiB free, 5.0 GiB would be written there"):
+        plan.check()
+    [row_a, row_b] = plan.rows()
+    assert row_a["filesystem need GiB"] == row_b["filesystem need GiB"] == 5.0 and row_a["fits"] == "NO"
+
+
+def test_each_step_plans_its_writes_on_the_tiny_params(tmp_path):
+    from dsr1kit.steps.plans import disk_plan_for
+
+    for notebook, expected in (
+        ("10_vllm_inference", ["answers", "merged checkpoint"]),  # the demo serves its adapter merged
+        ("20_hari_training", ["checkpoints", "adapter"]),
+        ("30_adapter_inspection", ["merged checkpoint"]),
+    ):
+        files = [ROOT / "params" / layer / f"{notebook}.yaml" for layer in ("tiny", "demo")]
+        p = params.load(notebook, [f for f in files if f.is_file()])
+        plan = disk_plan_for(notebook, p, tmp_path / notebook)
+        assert [w.what for w in plan.writes] == expected and plan.fits, notebook
+        assert all(w.bytes > 0 for w in plan.writes), plan.text()

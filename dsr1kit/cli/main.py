@@ -87,8 +87,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a params file's step for this node (or the machine given); run nothing."""
-    from ..plan import Machine
-    from ..steps.plans import plans_for
+    from ..plan import GIB, Machine
+    from ..steps.plans import disk_plan_for, plans_for
 
     files = [args.first_file, *args.params_file]
     notebook = args.notebook or Path(args.first_file).stem
@@ -97,8 +97,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     machine = Machine.detect().with_overrides(args.gpus, args.gpu_gib, args.host_gib)
     plans = plans_for(notebook, p, machine)
+    free = args.disk_free_gib * GIB if args.disk_free_gib is not None else None
+    disk = disk_plan_for(notebook, p, args.run_dir, free)
+    plans += [disk] if disk is not None else []
     if not plans:
-        print(f"{notebook} loads no model: nothing to plan")
+        print(f"{notebook} loads no model and writes little: nothing to plan")
     for plan in plans:
         print(plan.text() if plan.fits else plan.refusal(), end="\n\n")
     return 0 if all(pl.fits for pl in plans) else 3
@@ -158,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        help="memory plan of a params file's step (per GPU and host); runs nothing",
+        help="memory and disk plan of a params file's step (per GPU, host and filesystem); runs nothing",
         description="Bytes per GPU and on the host for the step a params file configures, "
-        "from the model's config alone. Exit status 3 when it does not fit.",
+        "from the model's config alone, and the bytes it writes against the free space of each "
+        "filesystem it writes to. Exit status 3 when one does not fit.",
     )
     plan.add_argument(
         "first_file", metavar="params_file", help="the step's YAML (its name says the notebook)"
@@ -173,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--host-gib", type=float, default=None, help="host memory available, GiB (default: this node's)"
+    )
+    plan.add_argument(
+        "--disk-free-gib",
+        type=float,
+        default=None,
+        help="free space of every filesystem written to, GiB (default: each one's, measured here)",
+    )
+    plan.add_argument(
+        "--run-dir", default=None, help="the run folder the step will write (default: a new one)"
     )
     plan.set_defaults(func=_cmd_plan)
 

@@ -303,12 +303,13 @@ def verdict(rows: list[Row]) -> tuple[str, list[str]]:
 
 
 def plan_rows(named_plans, host: str) -> list[Row]:
-    """One check per memory plan (dsr1kit.plan) of a step this allocation will run: fits here or not, and the fix."""
+    """One check per memory or disk plan (dsr1kit.plan) of a step this allocation will run: fits here or not,
+    and the fix."""
     rows = []
     for name, plan in named_plans:
         fix = "" if plan.fits else "; ".join(plan.advice) or "; ".join(plan.problems())
         rows.append(
-            Row(f"memory plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host)
+            Row(f"{plan.kind} plan {name}", PASS if plan.fits else FAIL, plan.busiest(), "fits", fix, host)
         )
     return rows
 

@@ -38,9 +38,33 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def fp8_blocks_servable() -> bool:
-    """Can vLLM on this machine run FP8 block-scaled linears? (GPUs yes; a CPU only with AMX.)"""
-    return torch.cuda.is_available() or cpu_has_amx()
+def fp8_blocks_servable(config: dict | None = None) -> bool:
+    """Can vLLM on this machine run FP8 block-scaled linears (GPUs yes; a CPU only with AMX), and load this
+    checkpoint's (``config``, config.json as a dict) into its fused layers?"""
+    return (torch.cuda.is_available() or cpu_has_amx()) and not unaligned_fused_shards(config or {})
+
+
+def unaligned_fused_shards(config: dict) -> list[str]:
+    """The fused layers vLLM cannot fill from FP8 block scales: it places each part of a fused linear
+    (q_a + kv_a, gate + up) at a whole number of 128-row scale blocks, so every part but the last must be a
+    multiple of the block (R1's 1536, 18432 and 2048 are; a small test model's 64 is not)."""
+    block = ((config.get("quantization_config") or {}).get("weight_block_size") or [128])[0]
+    firsts = {
+        "q_lora_rank (fused with kv_a_proj_with_mqa)": config.get("q_lora_rank"),
+        "intermediate_size (gate of gate_up_proj)": config.get("intermediate_size"),
+        "moe_intermediate_size (gate of the experts' gate_up)": config.get("moe_intermediate_size"),
+    }
+    return [f"{name} = {size}" for name, size in firsts.items() if size and size % block]
+
+
+def checkpoint_config(model: str) -> dict | None:
+    """config.json of ``model`` when it is on this node (a folder, an embedded model or the hub cache)."""
+    from ..embedded.tiny import resolve_model
+    from ..model import staging
+
+    folder = staging.locate(resolve_model(model))
+    path = folder / "config.json" if folder is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
@@ -88,13 +112,20 @@ def servable(model: str, work_dir: str | Path) -> tuple[str, str]:
     """(what to pass to ``vllm --model``, a line for the report) for ``model`` (local dir or repo id)."""
     from ..model.load import local_checkpoint
 
-    if fp8_blocks_servable():
-        return model, "served as stored"
+    if torch.cuda.is_available() and not Path(model).is_dir():
+        return model, "served as stored"  # a repo id on a GPU node: vLLM resolves (or downloads) it itself
     local = Path(local_checkpoint(model))
     if not is_fp8_block_checkpoint(local):
         return model, "served as stored"
-    copy = dequantized_copy(local, Path(work_dir) / f"{local.name}-bf16")
-    return str(copy), (
-        "FP8 block-scaled weights cannot run on this CPU (vLLM needs AMX tiles); serving a bf16 "
-        f"copy dequantized from the checkpoint: {copy}"
+    config = json.loads((local / "config.json").read_text())
+    if fp8_blocks_servable(config):
+        return model, "served as stored"
+    unaligned = unaligned_fused_shards(config)
+    why = (
+        f"vLLM cannot load these FP8 block scales into its fused layers ({'; '.join(unaligned)}: not a "
+        "multiple of the 128-row block)"
+        if unaligned
+        else "FP8 block-scaled weights cannot run on this CPU (vLLM needs AMX tiles)"
     )
+    copy = dequantized_copy(local, Path(work_dir) / f"{local.name}-bf16")
+    return str(copy), f"{why}; serving a bf16 copy dequantized from the checkpoint: {copy}"

@@ -55,6 +55,10 @@ class ServerSpec:
     tensor_parallel_size: int = 1  # GPUs per model replica
     pipeline_parallel_size: int = 1  # pipeline stages
     data_parallel_size: int = 1  # model replicas
+    data_parallel_backend: str = "mp"  # mp: replicas on this node; ray: on every node of the Ray cluster
+    data_parallel_size_local: int = 0  # replicas on this node (0: vLLM's default, all of them)
+    data_parallel_address: str = ""  # this node's address the other nodes' replicas reach ('': vLLM's)
+    data_parallel_rpc_port: int = 0  # port for the replicas' messages ('': vLLM's)
     enable_expert_parallel: bool = False  # spread MoE experts over the GPUs instead of slicing them
     distributed_executor_backend: str = "mp"  # mp | ray | uni
     gpu_memory_utilization: float = 0.90  # share of each GPU (on CPU: of host memory) claimed at start
@@ -111,6 +115,15 @@ class ServerSpec:
             "--distributed-executor-backend",
             self.distributed_executor_backend,
         ]
+        if self.data_parallel_size > 1:
+            cmd += ["--data-parallel-backend", self.data_parallel_backend]
+            for flag, value in (
+                ("--data-parallel-size-local", self.data_parallel_size_local),
+                ("--data-parallel-address", self.data_parallel_address),
+                ("--data-parallel-rpc-port", self.data_parallel_rpc_port),
+            ):
+                if value:
+                    cmd += [flag, str(value)]
         if self.enable_expert_parallel:
             cmd.append("--enable-expert-parallel")
         if self.enforce_eager:

@@ -86,6 +86,49 @@ def _not_converted_config(config: dict, modules: list[str]) -> dict:
     return dict(config, quantization_config=quant)
 
 
+def _shards_to_rewrite(
+    weight_map: dict[str, str], modules: list[str]
+) -> tuple[dict[str, list[str]], set[str]]:
+    """({shard: modules whose weight it holds and the merge rewrites}, FP8 fused partners kept in bf16)."""
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for module in modules:
+        key = f"{module}.weight"
+        if key not in weight_map:
+            raise AdapterError(
+                f"the base checkpoint has no {key}: the adapter was made for another base model"
+            )
+        by_shard[weight_map[key]].append(module)
+    partners = {
+        m
+        for m in map(_partner, modules)
+        if m and m not in modules and f"{m}.weight{SCALE_SUFFIX}" in weight_map
+    }
+    for module in partners:
+        by_shard[weight_map[f"{module}.weight"]].append(module)
+    return by_shard, partners
+
+
+def merge_write_bytes(base_dir: str | Path, modules: list[str]) -> tuple[int, int]:
+    """(bytes the merge writes, shards it rewrites) for ``modules`` of the base at ``base_dir`` (a folder):
+    the rewritten shards, each FP8 weight among them growing to bf16 (+1 byte per element), the index and
+    config; every other shard is linked. Only safetensors headers are read."""
+    from safetensors import safe_open
+
+    base = Path(base_dir)
+    weight_map = _weight_map(base)
+    by_shard, _ = _shards_to_rewrite(weight_map, modules)
+    total = sum((base / f).stat().st_size for f in (INDEX_FILE, "config.json") if (base / f).is_file())
+    for shard, shard_modules in by_shard.items():
+        total += (base / shard).stat().st_size
+        with safe_open(base / shard, "pt") as f:
+            for module in shard_modules:
+                key = f"{module}.weight"
+                if key + SCALE_SUFFIX in weight_map:
+                    rows, cols = f.get_slice(key).get_shape()
+                    total += rows * cols
+    return total, len(by_shard)
+
+
 def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path) -> Path:
     """Write base + adapter as a new checkpoint folder; return it. ``base_dir`` may be a hub repo id."""
     from safetensors.torch import load_file, save_file
@@ -95,21 +138,7 @@ def merge_into_copy(base_dir: str | Path, adapter: Adapter, out_dir: str | Path)
     base, out = Path(local_checkpoint(str(base_dir))), Path(out_dir)
     weight_map = _weight_map(base)
     fp8 = any(k.endswith(SCALE_SUFFIX) for k in weight_map)
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for module in adapter.modules:
-        key = f"{module}.weight"
-        if key not in weight_map:
-            raise AdapterError(
-                f"the base checkpoint has no {key}: the adapter was made for another base model"
-            )
-        by_shard[weight_map[key]].append(module)
-    partners = {
-        m
-        for m in map(_partner, adapter.modules)
-        if m and m not in adapter.modules and f"{m}.weight{SCALE_SUFFIX}" in weight_map
-    }
-    for module in partners:
-        by_shard[weight_map[f"{module}.weight"]].append(module)
+    by_shard, partners = _shards_to_rewrite(weight_map, adapter.modules)
     rewritten = {INDEX_FILE, "config.json"} if fp8 else set()
     out.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():

@@ -12,10 +12,12 @@ Modules: ``inputs`` (what each planner reads, built by the step modules),
 ``inventory`` (parameters per unit from the model's config), ``devices``
 (bytes per device for a workload), ``planners`` (one per step), ``advice``
 (settings that would fit, each tried), ``result`` (the plan and its table),
-``machine`` (what a node offers).
+``machine`` (what a node offers), ``disk`` (the bytes each step writes against the free space where it
+writes them).
 """
 
 from .devices import GIB, Device
+from .disk import DiskPlan, DiskPlanError, Write
 from .inputs import InspectionInputs, ServingInputs, TrainingInputs
 from .machine import Machine
 from .planners import (
@@ -32,12 +34,15 @@ from .result import Plan, PlanError
 __all__ = [
     "GIB",
     "Device",
+    "DiskPlan",
+    "DiskPlanError",
     "InspectionInputs",
     "Machine",
     "Plan",
     "PlanError",
     "ServingInputs",
     "TrainingInputs",
+    "Write",
     "hari_plan",
     "hari_plan_for_config",
     "inspect_plan",

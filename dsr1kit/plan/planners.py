@@ -113,6 +113,11 @@ def _lora(inv: Inventory, c: TrainingInputs) -> int:
     return lora_parameters(inv, c.lora_r, c.lora_last_k_layers, list(c.lora_targets))
 
 
+def lora_parameter_count(inputs: TrainingInputs) -> int:
+    """LoRA parameters the run trains (its checkpoints and adapter hold these), from the config alone."""
+    return _lora(_inv(inputs.model, inputs.trust_remote_code), inputs)
+
+
 def adapted_only(inv: Inventory, last_k: int) -> Inventory:
     """The inventory with the frozen prefix and the embeddings emptied: what training from the cache loads."""
     keep = set(inv.layers[len(inv.layers) - last_k :])

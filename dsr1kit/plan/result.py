@@ -24,6 +24,7 @@ class Plan:
     facts: dict[str, str] = field(default_factory=dict)
     extra_problems: list[str] = field(default_factory=list)  # beyond bytes (e.g. KV cache below one sequence)
     advice: list[str] = field(default_factory=list)
+    kind: str = field(default="memory", init=False)  # beside the disk plan (dsr1kit.plan.disk)
 
     @property
     def fits(self) -> bool:
@@ -87,6 +88,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "step": self.step,
+            "kind": self.kind,
             "fits": self.fits,
             "facts": self.facts,
             "rows": self.rows(),

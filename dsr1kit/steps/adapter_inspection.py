@@ -23,7 +23,7 @@ from ..inspection.merge import merge_into_copy, verify_merge, verify_merged_weig
 from ..measure.compare import ProbeResult, compare_on, encode_probe, generations
 from ..measure.training_run import training_slices
 from ..model.load import LoadConfig, load_with_adapter
-from ..plan import InspectionInputs, Machine, Plan, inspection_plans
+from ..plan import DiskPlan, InspectionInputs, Machine, Plan, inspection_plans
 from ..run.paths import PROJECT_ROOT, resolve
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
@@ -84,6 +84,29 @@ def memory_plan(p, machine: Machine | None = None, adapter: Adapter | None = Non
     or the embedded model."""
     base = base_model_name(p, adapter) if adapter else (p.base_model or "tiny")
     return list(inspection_plans(plan_inputs(p), base, machine or Machine.detect()).values())
+
+
+def disk_plan(p, run_dir: Path, free: float | None = None, adapter: Adapter | None = None) -> DiskPlan:
+    """With merge_out, the merged checkpoint: only the shards the adapter changes are written, the others
+    linked to the base's."""
+    from ..plan.disk import DiskPlan
+    from .plans import merged_checkpoint_write
+
+    writes = []
+    if p.merge_out:
+        if adapter is None:
+            try:
+                adapter = open_adapter(p, run_dir)
+            except (AdapterError, FileNotFoundError):
+                adapter = None  # before training: the last layer's shards are counted
+        base = base_model_name(p, adapter) if adapter else (p.base_model or "tiny")
+        fix = (
+            "merge_out: '' (no merged copy; the adapter is checked against base + ΔW), or a run_dir with room"
+        )
+        writes.append(
+            merged_checkpoint_write(base, adapter.path if adapter else None, Path(run_dir) / p.merge_out, fix)
+        )
+    return DiskPlan("adapter inspection", writes, free)
 
 
 def load_config(p, adapter: Adapter) -> LoadConfig:

@@ -98,11 +98,19 @@ def ray_check(p, ranks: Ranks) -> tuple[dict | None, list[checks.Row]]:
 
 
 def step_plans(p) -> list[tuple[str, Any]]:
-    """Each plan_files entry planned against the GPUs and host memory found here."""
+    """Each plan_files entry planned against the GPUs, host memory and filesystems found here."""
     from ..plan import Machine
     from .plans import plans_for_files
 
     return plans_for_files(p.plan_files, Machine.detect())
+
+
+def plans_summary(plans) -> dict[str, list[dict]]:
+    """summary.json's memory_plans and disk_plans."""
+    return {
+        f"{kind}_plans": [plan.to_dict() for _, plan in plans if plan.kind == kind]
+        for kind in ("memory", "disk")
+    }
 
 
 def plans_text(plans) -> str:

@@ -23,7 +23,7 @@ from ..data.labels import EncodedSet, encode_rows
 from ..data.plan import load_rows
 from ..model.load import LoadConfig, LoadedModel, load_model
 from ..model.lora import LoraConfig, LoraPlan, apply_lora, first_adapted_layer, lora_summary
-from ..plan import Machine, Plan, TrainingInputs, hari_plan, prefix_pass_plan
+from ..plan import DiskPlan, Machine, Plan, TrainingInputs, hari_plan, prefix_pass_plan
 from ..train import dist, prefix
 from ..train.hari import HariLoss
 from ..train.loop import TrainConfig, TrainResult, train
@@ -226,6 +226,56 @@ def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
     """Bytes per GPU and host for loading the model and one HARI step, on this node unless ``machine`` says
     otherwise (nothing loaded). With a prefix cache: one rank's adapted layers and step."""
     return [hari_plan(plan_inputs(p), machine or Machine.detect())]
+
+
+def disk_plan(p, run_dir: Path, free: float | None = None, tokens: int | None = None) -> DiskPlan:
+    """What the run writes and where: checkpoints and the adapter into the run folder, the prefix cache
+    into its folder (``tokens`` of the data, else at most rows × max_len), against each filesystem's free
+    space (or ``free`` bytes on every one)."""
+    from ..plan.disk import DiskPlan, Write
+    from ..plan.inventory import resolve_config
+    from ..plan.planners import lora_parameter_count
+    from ..train.checkpoint import KEEP
+    from ..train.prefix.layout import ELEMENT_BYTES
+
+    lora = lora_parameter_count(plan_inputs(p))
+    writes = [
+        Write(
+            "checkpoints",
+            str(run_dir / "checkpoints"),
+            KEEP * lora * 12,
+            f"{KEEP} kept × {lora:,} LoRA parameters × (weight + 2 AdamW moments) in fp32",
+            "run_dir on a filesystem with room (--run-dir, or DSR1KIT_RUNS_DIR)",
+        ),
+        Write("adapter", str(run_dir / "adapter"), lora * 4, f"{lora:,} parameters in fp32"),
+    ]
+    if p.prefix_cache != "off":
+        hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
+        per_token = hidden * ELEMENT_BYTES.get(p.dtype, 4)
+        if tokens is None:
+            rows = len(load_rows(p.dataset, p.splits, p.sample_limit).rows)
+            tokens, how = rows * p.max_len, f"at most {rows:,} rows × max_len {p.max_len:,}"
+        else:
+            how = "the data's tokens"
+        folder = prefix.prefix_cache_folder(p.prefix_cache, {}) if p.prefix_cache != "auto" else None
+        if folder is None:
+            from ..embedded.tiny import cache_root
+
+            folder = cache_root() / "prefix"
+        explicit = p.prefix_cache != "auto" and folder.is_dir()  # auto: one folder per fingerprint below
+        held = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) if explicit else 0
+        writes.append(
+            Write(
+                "prefix cache",
+                str(folder),
+                max(0, tokens * per_token - held),
+                f"{how} = {tokens:,} tokens × {per_token:,} B (hidden {hidden:,} in {p.dtype})"
+                + (f", less {held / 2**30:.1f} GiB already there" if held else ""),
+                "prefix_cache: a folder on a filesystem with room (node-local NVMe: the pass writes each "
+                "shard once and every step reads them)",
+            )
+        )
+    return DiskPlan("HARI training", writes, free)
 
 
 def first_layer_of(p) -> int:

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..data.plan import load_rows
 from ..infer import evaluate, harness, judge
 from ..infer.client import ClientConfig, read_answers
 from ..infer.server import ServerSpec, VLLMServer
-from ..plan import Machine, Plan, ServingInputs, reference_plan, serve_plan
+from ..plan import DiskPlan, Machine, Plan, ServingInputs, reference_plan, serve_plan
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
@@ -37,6 +38,7 @@ def server_spec(
     ``lora_modules`` (name -> adapter folder) up to rank ``max_lora_rank`` (default: the parameter)."""
     from ..cluster.rendezvous import free_port
 
+    across = p.data_parallel_size > 1 and p.data_parallel_backend == "ray" and job_nodes() > 1
     return ServerSpec(
         model=model_path,
         port=p.port or free_port(),
@@ -45,6 +47,11 @@ def server_spec(
         tensor_parallel_size=p.tensor_parallel_size,
         pipeline_parallel_size=p.pipeline_parallel_size,
         data_parallel_size=p.data_parallel_size,
+        data_parallel_backend=p.data_parallel_backend,
+        data_parallel_size_local=p.data_parallel_size_local
+        or (p.data_parallel_size // job_nodes() if across else 0),
+        data_parallel_address=p.host if across else "",  # the head's address, which every node reaches
+        data_parallel_rpc_port=free_port() if across else 0,
         enable_expert_parallel=p.enable_expert_parallel,
         distributed_executor_backend=p.distributed_executor_backend,
         gpu_memory_utilization=p.gpu_memory_utilization,
@@ -61,6 +68,33 @@ def server_spec(
         env=dict(p.server_env),
         server_key_env=p.server_key_env,
     )
+
+
+def job_nodes() -> int:
+    """Nodes of the Slurm job this runs in (1 outside one)."""
+    import os
+
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
+def check_data_parallel(p, nodes: int) -> None:
+    """Replicas that cannot land as asked on a job of ``nodes`` nodes: BadInput with the fix."""
+    from .preflight import BadInput
+
+    dp = p.data_parallel_size
+    if dp == 1 or nodes == 1:
+        return
+    if p.data_parallel_backend == "mp":
+        raise BadInput(
+            f"data_parallel_size {dp} on a {nodes}-node job with data_parallel_backend mp starts every replica "
+            "on the first node, and the other nodes idle: set data_parallel_backend: ray (the job's Ray cluster "
+            "places the replicas on every node), or submit with -N 1"
+        )
+    if not p.data_parallel_size_local and dp % nodes:
+        raise BadInput(
+            f"data_parallel_size {dp} does not split over the job's {nodes} nodes: make it a multiple of "
+            f"{nodes}, or set data_parallel_size_local (the replicas on the first node)"
+        )
 
 
 def server(
@@ -127,14 +161,62 @@ def harness_config(p, tokenizer_path: str) -> harness.HarnessConfig:
 def memory_plan(p, machine: Machine | None = None, model_path: str | None = None) -> list[Plan]:
     """vLLM serving the model on ``machine`` (this node by default), and with a LoRA adapter served for parity,
     the PEFT reference in fp32 on the host (512 tokens: the plan of the look-ahead; the step plans its prompts)."""
-    from ..infer.serve_form import fp8_blocks_servable
+    from ..infer.serve_form import checkpoint_config, fp8_blocks_servable
 
     machine = machine or Machine.detect()
     model = model_path or p.model
-    plans = [serve_plan(plan_inputs(p), model, machine, fp8_blocks=fp8_blocks_servable())]
+    fp8_blocks = fp8_blocks_servable(checkpoint_config(model))
+    plans = [serve_plan(plan_inputs(p), model, machine, fp8_blocks=fp8_blocks)]
     if p.lora_adapter and p.adapter_mode == "lora" and model_path is None:
         plans.append(reference_plan(model, machine, 512, "parity reference (PEFT, fp32, host)"))
     return plans
+
+
+def disk_plan(p, run_dir: Path, free: float | None = None) -> DiskPlan:
+    """What the evaluation writes into its run folder: the answers of each model (at most every row with
+    max_new_tokens of text and reasoning), and with an adapter that is merged (adapter_mode merge, or a
+    parity that falls back to a merge) the merged checkpoint's rewritten shards."""
+    from ..plan.disk import DiskPlan, Write
+    from .plans import merged_checkpoint_write
+
+    models = 2 if p.lora_adapter else 1
+    try:
+        rows = len(load_rows(p.eval_dataset).rows)
+        if p.eval_limit:
+            rows = min(rows, p.eval_limit * len(p.eval_dataset.split(",")))
+        basis = f"{models} model(s) × {rows:,} rows × (max_new_tokens {p.max_new_tokens:,} × 8 B + 1 KiB)"
+    except (OSError, ValueError) as err:  # the data is not readable here (e.g. planning on a login node)
+        rows, basis = 0, f"not counted: the evaluation data is not readable here ({err})"
+    writes = [
+        Write(
+            "answers",
+            str(run_dir),
+            models * rows * (p.max_new_tokens * 8 + 1024),
+            basis,
+            "run_dir on a filesystem with room (DSR1KIT_RUN_DIR / --run-dir)",
+        )
+    ]
+    if p.lora_adapter and (p.adapter_mode == "merge" or p.merge_if_ignored):
+        try:
+            adapter = resolve_adapter(p, run_dir)
+        except FileNotFoundError:
+            adapter = None
+        write = merged_checkpoint_write(
+            p.model,
+            adapter,
+            run_dir / "merged",
+            "adapter_mode: lora with merge_if_ignored: false (no merged copy), or a run_dir with room",
+        )
+        if p.adapter_mode != "merge":
+            write = Write(
+                write.what + " (if parity falls back to it)",
+                write.folder,
+                write.bytes,
+                write.basis,
+                write.fix,
+            )
+        writes.append(write)
+    return DiskPlan("vLLM evaluation", writes, free)
 
 
 def load_model_and_tokenizer(model: str):
@@ -207,6 +289,7 @@ def preflight(p) -> None:
     from ..infer import auth
     from .preflight import BadInput
 
+    check_data_parallel(p, job_nodes())
     if p.require_server_key and not auth.key(p.server_key_env):
         raise BadInput(
             f"require_server_key: ${p.server_key_env} is not set, so the server would answer anyone on the "
