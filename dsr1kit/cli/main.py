@@ -100,6 +100,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     free = args.disk_free_gib * GIB if args.disk_free_gib is not None else None
     disk = disk_plan_for(notebook, p, args.run_dir, free)
     plans += [disk] if disk is not None else []
+    if notebook == "20_hari_training":  # the one step whose rates the benchmarks measured at R1's widths
+        from ..steps.hari_training import time_plan
+
+        print(time_plan(p, machine, args.nodes).text(), end="\n\n")
     if not plans:
         print(f"{notebook} loads no model and writes little: nothing to plan")
     for plan in plans:
@@ -186,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--run-dir", default=None, help="the run folder the step will write (default: a new one)"
+    )
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes of the job, for the time plan (default: this job's, or 1)",
     )
     plan.set_defaults(func=_cmd_plan)
 

@@ -179,6 +179,41 @@ def node_ip(job: SlurmJob | None = None, env: Mapping[str, str] | None = None) -
 
 
 # -- GPU visibility -------------------------------------------------------------------------
+def job_nodes(env: Mapping[str, str] | None = None) -> int:
+    """Nodes of the Slurm job this runs in (1 outside one)."""
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+
+
+def parse_time_left(text: str) -> float | None:
+    """Seconds in squeue's %L ('1-02:03:04', '02:03:04', '03:04'); None for UNLIMITED or NOT_SET."""
+    text = text.strip()
+    if not text or not text[0].isdigit():
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return float((int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2])
+
+
+def remaining_seconds(env: Mapping[str, str] | None = None) -> float | None:
+    """Time this Slurm job has left before its limit (squeue %L); None outside a job or without a limit."""
+    import subprocess
+
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_time_left(out.splitlines()[0]) if out.strip() else None
+
+
 def trap_fix(gpus: int) -> str:
     return (
         f"use `#SBATCH --gpus-per-node={gpus}` and `#SBATCH --ntasks-per-node=1` (one process per node "

@@ -24,6 +24,7 @@ from ..data.plan import load_rows
 from ..model.load import LoadConfig, LoadedModel, load_model
 from ..model.lora import LoraConfig, LoraPlan, apply_lora, first_adapted_layer, lora_summary
 from ..plan import DiskPlan, Machine, Plan, TrainingInputs, hari_plan, prefix_pass_plan
+from ..plan.timing import TimePlan
 from ..train import dist, prefix
 from ..train.hari import HariLoss
 from ..train.loop import TrainConfig, TrainResult, train
@@ -253,8 +254,7 @@ def disk_plan(p, run_dir: Path, free: float | None = None, tokens: int | None = 
         hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
         per_token = hidden * ELEMENT_BYTES.get(p.dtype, 4)
         if tokens is None:
-            rows = len(load_rows(p.dataset, p.splits, p.sample_limit).rows)
-            tokens, how = rows * p.max_len, f"at most {rows:,} rows × max_len {p.max_len:,}"
+            tokens, how = data_tokens_bound(p)
         else:
             how = "the data's tokens"
         folder = prefix.prefix_cache_folder(p.prefix_cache, {}) if p.prefix_cache != "auto" else None
@@ -276,6 +276,50 @@ def disk_plan(p, run_dir: Path, free: float | None = None, tokens: int | None = 
             )
         )
     return DiskPlan("HARI training", writes, free)
+
+
+def data_tokens_bound(p) -> tuple[int, str]:
+    """(tokens per epoch at most, how counted): every row of the data plan at max_len."""
+    rows = len(load_rows(p.dataset, p.splits, p.sample_limit).rows)
+    return rows * p.max_len, f"at most {rows:,} rows × max_len {p.max_len:,}"
+
+
+def time_plan(p, machine: Machine | None = None, nodes: int | None = None) -> TimePlan:
+    """The run's load, prefix pass and training at the benchmarks' measured rates (models of R1's widths),
+    on ``nodes`` (the Slurm job's) × this node's GPUs."""
+    from ..cluster.slurm import job_nodes
+    from ..model import staging
+    from ..plan.inventory import inventory, resolve_config
+    from ..plan.timing import R1_HIDDEN, hari_time
+
+    machine = machine or Machine.detect()
+    nodes = nodes or job_nodes()
+    config = resolve_config(p.model, p.trust_remote_code)
+    if config.hidden_size != R1_HIDDEN or machine.gpus == 0:
+        return hari_time("HARI training", config.hidden_size, 0, 0, 0, nodes, machine.gpus, False, 0)
+    local = staging.locate(p.model)
+    on_disk = staging.check_folder(local).bytes if local is not None else inventory(config).parameters  # FP8
+    tokens, _ = data_tokens_bound(p)
+    per_save = p.save_every * p.batch_size * p.grad_accum * p.max_len * nodes
+    return hari_time(
+        "HARI training",
+        config.hidden_size,
+        on_disk / 2**30,
+        tokens,
+        p.epochs,
+        nodes,
+        machine.gpus,
+        p.prefix_cache != "off",
+        per_save,
+    )
+
+
+def check_time(plan: TimePlan) -> TimePlan:
+    """Stop now (TimeRefused, with the estimate) when the Slurm job's time left cannot cover what no later
+    job could resume; outside Slurm, or without a time limit, nothing is checked."""
+    from ..cluster.slurm import remaining_seconds
+
+    return plan.check(remaining_seconds())
 
 
 def first_layer_of(p) -> int:

@@ -72,9 +72,9 @@ def server_spec(
 
 def job_nodes() -> int:
     """Nodes of the Slurm job this runs in (1 outside one)."""
-    import os
+    from ..cluster.slurm import job_nodes as nodes
 
-    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    return nodes()
 
 
 def check_data_parallel(p, nodes: int) -> None:
