@@ -165,6 +165,18 @@ def _wait_for_url(proc: subprocess.Popen, log: Path, timeout: float) -> str:
     pytest.fail(f"`dsr1kit lab` printed no URL within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
+def _cmdlines(pid: int) -> list[str]:
+    """The command lines of a process's descendants; one that exited meanwhile (a zombie under load) has
+    none left to show and is skipped (psutil.ZombieProcess is a NoSuchProcess)."""
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append(" ".join(child.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 def _stop(proc: subprocess.Popen, token: str, log: Path, runtime_dir: Path) -> None:
     """Shut JupyterLab down (kernels first), then kill whatever it started that is still there."""
     try:
@@ -499,7 +511,7 @@ def test_lab_without_a_token_prints_a_random_one_that_guards_the_server(tmp_path
         with pytest.raises(urllib.error.HTTPError) as denied:
             urllib.request.urlopen(f"{base}/api/status")
         assert denied.value.code == 403
-        cmdlines = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True)]
+        cmdlines = _cmdlines(proc.pid)
         assert cmdlines and not any(token in c for c in cmdlines)  # not on a command line (ps shows those)
     finally:
         _stop(proc, token, log, tmp_path / "rt")
