@@ -1,17 +1,13 @@
 """The time plan: R1's HARI parts at the benchmarks' measured rates, and a Slurm job whose time left cannot
-cover what it could not resume stopped before the load (the time left read from the suite's real Slurm)."""
+cover what it could not resume stopped before the load (the time left is read from the suite's real Slurm in
+tests/test_slurm_cluster_check.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit.cluster.slurm import parse_time_left
 from dsr1kit.plan.timing import Rates, TimeRefused, hari_time
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -55,22 +51,3 @@ def test_no_estimate_without_measured_rates_for_the_model():
     plan = hari_time("HARI", 256, 0.01, 1e4, 1, 1, 0, False, 1e3)
     assert plan.parts == [] and "not estimated" in plan.text()
     plan.check(1.0)  # never refuses what it cannot estimate
-
-
-def test_a_slurm_job_reads_the_time_it_has_left(slurm, tmp_path):
-    script = tmp_path / "left.sh"
-    script.write_text(
-        "#!/bin/bash\nsource slurm/prelude.sh\n"
-        "python -c 'from dsr1kit.cluster.slurm import remaining_seconds; print(\"left\", remaining_seconds())'\n"
-    )
-    job_id = slurm.sbatch(
-        f"--output={tmp_path}/%j.out",
-        "--time=00:10:00",
-        str(script),
-        env={"NVME_DIR": str(tmp_path)},
-        cwd=ROOT,
-    )
-    job = slurm.wait_job(job_id, timeout=120)
-    assert job.state == "COMPLETED", job.output
-    left = float(job.output.split("left ")[1].split()[0])
-    assert 480 < left <= 600

@@ -244,3 +244,23 @@ def test_failing_checks_crash_nothing_the_report_is_complete(mistakes):
     assert [r["status"] for r in rows(mistakes, "ray nodes")] == ["pass"]
     assert "Verdict: FAIL" in (mistakes["run_dir"] / "report.html").read_text()
     assert mistakes["ray_tmp_left"] == []
+
+
+# -- the time a job has left (the time plan's check) ----------------------------------------------
+def test_a_slurm_job_reads_the_time_it_has_left(slurm, tmp_path):
+    script = tmp_path / "left.sh"
+    script.write_text(
+        "#!/bin/bash\nsource slurm/prelude.sh\n"
+        "python -c 'from dsr1kit.cluster.slurm import remaining_seconds; print(\"left\", remaining_seconds())'\n"
+    )
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%j.out",
+        "--time=00:10:00",
+        str(script),
+        env={"NVME_DIR": str(tmp_path)},
+        cwd=ROOT,
+    )
+    job = slurm.wait_job(job_id, timeout=120)
+    assert job.state == "COMPLETED", job.output
+    left = float(job.output.split("left ")[1].split()[0])
+    assert 480 < left <= 600
