@@ -19,11 +19,15 @@ def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
+# ServerSpec fields the step computes, not parameters: the adapters served, and DP's address and port on the job
+NO_PARAMETER = ("lora_modules", "data_parallel_address", "data_parallel_rpc_port")
+
+
 def test_server_spec_defaults_are_the_notebook_parameters_defaults():
     params = InferenceParams.model_fields
     for f in dataclasses.fields(ServerSpec):
         default = _default(f)
-        if default is dataclasses.MISSING or f.name == "lora_modules":  # required, or no parameter
+        if default is dataclasses.MISSING or f.name in NO_PARAMETER:  # required, or no parameter
             continue
         expected = params[PARAM_OF.get(f.name, f.name)].default
         assert default == (tuple(expected) if isinstance(default, tuple) else expected), f.name

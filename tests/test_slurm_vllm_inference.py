@@ -19,7 +19,11 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-N = 200  # every task A row: the evaluation (~14 answers/s here) is still running when USR1 comes
+# every row of tasks A and B: the evaluation (14-30 answers/s on 2 cores) is still running when USR1 comes and
+# when Slurm ends the job for the requeue (~6 s later under load: with task A alone, 200 rows at 30/s had
+# all been answered by then)
+PER_SET = 200
+N = 2 * PER_SET
 
 
 def _lines(path: Path) -> list[dict]:
@@ -33,7 +37,8 @@ def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_i
     job_id = slurm.sbatch(
         f"--output={tmp_path}/%x-%j.out", "-N", "1", "--cpus-per-task=2",
         "slurm/vllm_inference.sbatch", "params/tiny/10_vllm_inference.yaml",
-        "-p", "lora_adapter", "", "-p", "eval_dataset", "data/task_a_eval.jsonl", "-p", "eval_limit", str(N),
+        "-p", "lora_adapter", "", "-p", "eval_dataset", "data/task_a_eval.jsonl,data/task_b_eval.jsonl",
+        "-p", "eval_limit", str(PER_SET),
         "-p", "concurrency", "1", "-p", "max_new_tokens", "48",
         env=env, cwd=ROOT,
     )  # fmt: skip
