@@ -8,7 +8,7 @@
 #   requeue_if_due REASON                       # "REASON; requeueing job <id>" when WHEN says so
 # WHEN: ok     ACTION asks the step to checkpoint and stop; requeue once it exited 0 (checkpoint written)
 #       failed ACTION asks the step to stop; requeue once it exited non-zero (stopped before its result)
-#       now    requeue at once while the step runs (Slurm ends it): what it wrote so far is the checkpoint
+#       now    stop the step (TERM) and requeue at once: what it wrote so far is the checkpoint
 # MESSAGE is logged as "USR1 at <time>: MESSAGE". Sourced after slurm/prelude.sh (set -euo pipefail).
 
 step=
@@ -29,6 +29,9 @@ _on_usr1() {
   if [ "$_requeue_when" = now ]; then
     if [ -n "$step" ] && kill -0 "$step" 2>/dev/null; then  # no requeue when the step has already finished
       echo "USR1 at $(date -Is): $_usr1_message"
+      # Stop the step first: it writes nothing more while slurmctld (slow under load) ends the job, so
+      # the requeued job starts from what was kept at USR1. A failed requeue leaves that for a resubmit.
+      kill -TERM "$step" 2>/dev/null || true
       scontrol requeue "$SLURM_JOB_ID"
     fi
     return 0

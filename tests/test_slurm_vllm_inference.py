@@ -19,9 +19,9 @@ from slurm_cluster import slurm  # noqa: F401  (session fixture)
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-# every row of tasks A and B: the evaluation (14-30 answers/s on 2 cores) is still running when USR1 comes and
-# when Slurm ends the job for the requeue (~6 s later under load: with task A alone, 200 rows at 30/s had
-# all been answered by then)
+# every row of tasks A and B (answered at 14-30/s on 2 cores): USR1 stops the notebook at once, so the
+# requeued job has most of them still to ask (before the batch script stopped it itself, a fast machine
+# answered all 400 while a loaded slurmctld took its time ending the job)
 PER_SET = 200
 N = 2 * PER_SET
 
@@ -53,6 +53,7 @@ def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_i
     while time.monotonic() < deadline and int(slurm.job_fields(job_id).get("Restarts", "0")) < 1:
         time.sleep(0.5)
     before = len(_lines(answers))
+    print(f"answered before the requeue: {before} of {N}")
     job = slurm.wait_job(job_id, timeout=600)
     out = job.output
     assert job.state == "COMPLETED", out[-4000:]
