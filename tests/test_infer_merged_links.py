@@ -49,7 +49,8 @@ def _served_logprobs(server, ids: list[int]) -> list[float]:
 
     status, body = http_json(
         f"{server.base_url}/v1/completions",
-        {"model": server.spec.served_model_name, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0},
+        {"model": server.spec.served_model_name, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0}
+        | {"temperature": 0},
     )
     assert status == 200, body
     return body["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)]
@@ -94,6 +95,8 @@ def test_vllm_serves_a_merge_whose_unchanged_shards_are_links_as_base_plus_adapt
     def gap(a, b):
         return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
-    print(f"served vs base+adapter {gap(served, adapted_lp):.3f}, adapter effect {gap(adapted_lp, base_lp):.3f}")
+    print(
+        f"served vs base+adapter {gap(served, adapted_lp):.3f}, adapter effect {gap(adapted_lp, base_lp):.3f}"
+    )
     assert gap(adapted_lp, base_lp) > 5 * TOL  # the adapter changes the model enough to tell
     assert gap(served, adapted_lp) < TOL, (served, adapted_lp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -127,3 +128,48 @@ def test_cli_check_exits_1_naming_the_node_and_file(hub_cache, tmp_path, cli):
     (folder / victim).resolve().unlink()
     bad = cli("stage", REPO, "--to", str(to), "--check", env={"SLURMD_NODENAME": "n7"})
     assert bad.returncode == 1 and f"n7: {REPO}: 1 faulty file(s)" in bad.stdout and victim in bad.stdout
+
+
+def test_bytes_still_to_stage_are_the_faulty_files_with_or_without_a_manifest(hub_cache, tmp_path):
+    to = tmp_path / "hub"
+    folder = staging.stage(REPO, to=to, source=hub_cache).completeness.folder
+    assert staging.bytes_to_stage(staging.check(REPO, to)) == 0
+    names = shards(folder)
+    full = {n: (folder / n).resolve().stat().st_size for n in names}
+    cut = (folder / names[0]).resolve()
+    cut.write_bytes(cut.read_bytes()[: full[names[0]] // 3])
+    (folder / names[1]).resolve().unlink()
+    by_manifest = staging.bytes_to_stage(staging.check(REPO, to))
+    assert by_manifest == full[names[0]] + full[names[1]]  # the manifest's sizes: exact
+    (folder / staging.MANIFEST).unlink()
+    assert staging.bytes_to_stage(staging.check(REPO, to)) is None  # neither sizes nor the index's total
+    index_file = (folder / r1_format.INDEX_FILE).resolve()
+    index = json.loads(index_file.read_text())
+    headers = {n: 8 + int.from_bytes(_head(hub_cache, n), "little") for n in names}
+    index["metadata"] = {
+        "total_size": sum(full[n] - headers[n] for n in names)
+    }  # tensor bytes, as R1's index
+    index_file.write_text(json.dumps(index))
+    by_index = staging.bytes_to_stage(staging.check(REPO, to))
+    assert by_manifest - sum(headers.values()) <= by_index <= by_manifest
+
+
+def _head(hub_cache: Path, name: str) -> bytes:
+    with open(staging.snapshot(hub_cache, REPO) / name, "rb") as f:
+        return f.read(8)
+
+
+def test_a_node_whose_scratch_cannot_hold_r1_fails_with_the_size_and_where_to_stage(tmp_path):
+    """Nothing of R1 on the node: the copy's size comes from R1's config (FP8 blocks as stored, ~627 GiB)
+    and is compared with the free space of the filesystem the copy would go to."""
+    from dsr1kit.cluster.checks import FAIL, check_staged_model
+
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    if free > 700:
+        pytest.skip(f"this machine has {free:.0f} GiB free: R1 would fit")
+    row = check_staged_model("deepseek-ai/DeepSeek-R1-0528", str(tmp_path / "hub"))
+    assert row.status == FAIL and "not staged here" in row.measured
+    assert "the copy needs at least 627.1 GiB more" in row.fix
+    said = re.search(r"has ([0-9.]+) GiB free on this node", row.fix)
+    assert said and abs(float(said[1]) - free) < 1, row.fix
+    assert "--to DIR" in row.fix and "staged_model_dir" in row.fix

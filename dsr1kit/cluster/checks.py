@@ -250,15 +250,31 @@ def check_staged_model(model: str, cache: str = "") -> Row:
     if result.complete:
         return Row("model staged", PASS, result.describe(), "present and complete", "", _host())
     where = f" --to {cache}" if cache else ""
-    return Row(
-        "model staged",
-        FAIL,
-        result.describe(),
-        "present and complete",
+    fix = (
         f"stage it on this node before the job: sbatch -w {_host()} slurm/stage.sbatch {model}{where} "
-        "[--from SHARED_COPY] (it resumes; a truncated file is copied again)",
-        _host(),
+        "[--from SHARED_COPY] (it resumes; a truncated file is copied again)"
     )
+    need, estimated = staging.bytes_to_stage(result), False
+    if need is None:
+        try:
+            from ..plan.inventory import stored_bytes
+
+            need, estimated = stored_bytes(model), True
+        except (OSError, ValueError) as err:  # no config here or known to the kit: the size is unknown
+            need = None
+            fix += f" (its size is unknown here: {str(err).splitlines()[0][:120]})"
+    from ..plan.disk import existing_ancestor
+
+    mount = existing_ancestor(result.folder or result.faults[0].name)  # where the copy goes
+    free = shutil.disk_usage(mount).free
+    if need is not None and need > free:
+        about = "at least " if estimated else ""
+        fix = (
+            f"the copy needs {about}{need / GIB:.1f} GiB more and {mount} has {free / GIB:.1f} GiB free on "
+            f"this node: free that much there, or stage onto a larger node-local disk "
+            f"(slurm/stage.sbatch {model} --to DIR) and set staged_model_dir to DIR"
+        )
+    return Row("model staged", FAIL, result.describe(), "present and complete", fix, _host())
 
 
 def overall(rows: Iterable[Row]) -> str:

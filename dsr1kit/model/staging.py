@@ -222,6 +222,27 @@ def check_folder(folder: Path, model: str = "", hashes: bool = False) -> Complet
     return result
 
 
+def bytes_to_stage(result: Completeness) -> int | None:
+    """Bytes a stage still has to write for a checked copy, from the manifest's sizes or the index's
+    total_size (None when the node holds neither: the caller estimates from the config)."""
+    if result.folder is None:
+        return None
+    files = read_manifest(result.folder).get("files", {})
+    if files and all("size" in f for f in files.values()):
+        return max(0, sum(f["size"] for f in files.values()) - result.bytes)
+    try:
+        total = int(json.loads((result.folder / INDEX_FILE).read_text())["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # total_size counts tensor bytes only; each present complete shard also has its header (small)
+    good = sum(
+        p.stat().st_size
+        for p in result.folder.glob("*.safetensors")
+        if p.exists() and p.name not in {f.name for f in result.faults}
+    )
+    return max(0, total - good)
+
+
 def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n:,} B"
 

@@ -68,8 +68,9 @@ class Inventory:
         return [sum(self.units[u].values()) for u in self.layers]
 
 
-def resolve_config(model: str, trust_remote_code: bool = False):
-    """The model's config: local folder or hub cache, then a config shipped with the kit, then the hub."""
+def resolve_config(model: str, trust_remote_code: bool = False, hub: bool = True):
+    """The model's config: local folder or hub cache, then a config shipped with the kit, then the hub
+    (unless ``hub`` is False: a compute node without internet would wait on its timeouts)."""
     from transformers import AutoConfig
 
     from ..embedded.tiny import resolve_model
@@ -82,6 +83,8 @@ def resolve_config(model: str, trust_remote_code: bool = False):
         pass
     if model in KNOWN_CONFIGS:  # plan R1 before downloading 700 GB (or with the hub offline)
         return config_from_file(Path(__file__).with_name("known_configs") / KNOWN_CONFIGS[model])
+    if not hub:
+        raise ValueError(f"no config of {model!r} on this node or shipped with the kit")
     try:
         return strip_quantization(AutoConfig.from_pretrained(path, **kwargs))
     except (OSError, ValueError) as err:
@@ -200,3 +203,13 @@ def served_bytes_per_param(config, dtype: str) -> dict[str, float]:
         else 2
     )
     return {k: size for k in KINDS} | {"router": 4}
+
+
+def stored_bytes(model: str) -> int:
+    """Bytes of the model's weights as its checkpoint stores them (FP8 blocks for R1), from its config alone:
+    what staging a copy writes at least (R1's multi-token-prediction layer, which the model built from the
+    config lacks, comes on top)."""
+    config = resolve_config(model, hub=False)
+    inv = inventory(config)
+    per_kind = served_bytes_per_param(config, "auto")
+    return int(sum(inv.unit_bytes(unit, per_kind) for unit in inv.units))
