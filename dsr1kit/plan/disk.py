@@ -12,8 +12,10 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from .devices import GIB
+from .result import Refusable
 
 
 @dataclass(frozen=True)
@@ -35,14 +37,24 @@ def existing_ancestor(folder: str | Path) -> Path:
     return path
 
 
+class DiskPlanError(RuntimeError):
+    """A step would write more than its filesystem has free: raised before anything is loaded or written."""
+
+    def __init__(self, plan: "DiskPlan"):
+        self.plan = plan
+        super().__init__(plan.refusal())
+
+
 @dataclass
-class DiskPlan:
+class DiskPlan(Refusable):
     """One step's writes, grouped by the filesystem they land on, each filesystem's need against its free."""
 
     step: str
     writes: list[Write]
     free_override: float | None = None  # bytes free on every filesystem (planning for another machine)
     kind: str = field(default="disk", init=False)
+    error: ClassVar[type[RuntimeError]] = DiskPlanError
+    no_advice: ClassVar[str] = "free space there"
 
     def filesystems(self) -> list[dict]:
         """[{folders, need, free, fits}] per filesystem (st_dev), in the order of their first write."""
@@ -116,38 +128,6 @@ class DiskPlan:
             for g in self.filesystems()
             if not g["fits"]
         ]
-
-    def refusal(self) -> str:
-        advice = "\n".join(f"  - {a}" for a in self.advice) or "  - free space there"
-        return (
-            f"the disk plan for {self.step} does not fit: "
-            + "; ".join(self.problems())
-            + f"\n{self.text()}\nWhat to change:\n{advice}"
-        )
-
-    def check(self) -> "DiskPlan":
-        """Raise DiskPlanError (table + what to change) when it does not fit; else return self."""
-        if not self.fits:
-            raise DiskPlanError(self)
-        return self
-
-    def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "fits": self.fits,
-            "rows": self.rows(),
-            "problems": self.problems(),
-            "advice": self.advice,
-        }
-
-
-class DiskPlanError(RuntimeError):
-    """A step would write more than its filesystem has free: raised before anything is loaded or written."""
-
-    def __init__(self, plan: DiskPlan):
-        self.plan = plan
-        super().__init__(plan.refusal())
 
 
 def _gib(n: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .devices import GIB, Device
 
@@ -10,13 +11,51 @@ from .devices import GIB, Device
 class PlanError(RuntimeError):
     """A step's memory plan does not fit: raised before loading, with the table and what to change."""
 
-    def __init__(self, plan: "Plan"):
+    def __init__(self, plan: "Refusable"):
         self.plan = plan
         super().__init__(plan.refusal())
 
 
+class Refusable:
+    """What every kind of plan (memory here, disk in ``dsr1kit.plan.disk``) says the same way: the refusal
+    (problems, table, what to change), the check that raises it, and the dict a report or summary keeps.
+    A plan provides step, kind, fits, advice, rows(), text(), problems() and, as class attributes, the
+    error it raises and the line said when no advice applies."""
+
+    error: ClassVar[type[RuntimeError]] = PlanError
+    no_advice: ClassVar[str] = "(no setting tried here fits: more nodes?)"
+
+    def facts_dict(self) -> dict:
+        return {}
+
+    def refusal(self) -> str:
+        advice = "\n".join(f"  - {a}" for a in self.advice) or f"  - {self.no_advice}"
+        return (
+            f"the {self.kind} plan for {self.step} does not fit: "
+            + "; ".join(self.problems())
+            + f"\n{self.text()}\nWhat to change:\n{advice}"
+        )
+
+    def check(self):
+        """Raise the plan's error (table + what to change) when it does not fit; else return the plan."""
+        if not self.fits:
+            raise self.error(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "fits": self.fits,
+            **self.facts_dict(),
+            "rows": self.rows(),
+            "problems": self.problems(),
+            "advice": self.advice,
+        }
+
+
 @dataclass
-class Plan:
+class Plan(Refusable):
     """One step's bytes per device, the facts it was computed from, and (when it fails) what to change."""
 
     step: str
@@ -71,30 +110,8 @@ class Plan:
         ]
         return out + self.extra_problems
 
-    def refusal(self) -> str:
-        advice = "\n".join(f"  - {a}" for a in self.advice) or "  - (no setting tried here fits: more nodes?)"
-        return (
-            f"the memory plan for {self.step} does not fit: "
-            + "; ".join(self.problems())
-            + f"\n{self.text()}\nWhat to change:\n{advice}"
-        )
-
-    def check(self) -> "Plan":
-        """Raise PlanError (table + what to change) when it does not fit; else return self."""
-        if not self.fits:
-            raise PlanError(self)
-        return self
-
-    def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "fits": self.fits,
-            "facts": self.facts,
-            "rows": self.rows(),
-            "problems": self.problems(),
-            "advice": self.advice,
-        }
+    def facts_dict(self) -> dict:
+        return {"facts": self.facts}
 
 
 def _gib(n: float) -> float:

@@ -119,6 +119,14 @@ class TimePlan:
         }
 
 
+def unmeasured(hidden_size: int, gpus_per_node: int) -> str:
+    """Why no measured rate applies to a run ("" when one does): the rates are GPU rates at R1's widths."""
+    if hidden_size == R1_HIDDEN and gpus_per_node > 0:
+        return ""
+    why = "no GPU here" if gpus_per_node == 0 else f"hidden size {hidden_size:,}, not R1's {R1_HIDDEN:,}"
+    return f"no measured rate for this run ({why}): not estimated"
+
+
 def hari_time(
     step: str,
     hidden_size: int,
@@ -132,9 +140,8 @@ def hari_time(
     rates: Rates | None = None,
 ) -> TimePlan:
     """HARI's parts on ``nodes`` × ``gpus_per_node`` from the measured rates: load, (prefix pass,) training."""
-    if hidden_size != R1_HIDDEN or gpus_per_node == 0:
-        why = "no GPU here" if gpus_per_node == 0 else f"hidden size {hidden_size:,}, not R1's {R1_HIDDEN:,}"
-        return TimePlan(step, note=f"no measured rate for this run ({why}): not estimated")
+    if why := unmeasured(hidden_size, gpus_per_node):
+        return TimePlan(step, note=why)
     rates = rates or Rates.measured()
     basis = f"measured on {rates.source}"
     parts = [

@@ -229,10 +229,10 @@ def memory_plan(p, machine: Machine | None = None) -> list[Plan]:
     return [hari_plan(plan_inputs(p), machine or Machine.detect())]
 
 
-def disk_plan(p, run_dir: Path, free: float | None = None, tokens: int | None = None) -> DiskPlan:
+def disk_plan(p, run_dir: Path, free: float | None = None, tokens: tuple[int, str] | None = None) -> DiskPlan:
     """What the run writes and where: checkpoints and the adapter into the run folder, the prefix cache
-    into its folder (``tokens`` of the data, else at most rows × max_len), against each filesystem's free
-    space (or ``free`` bytes on every one)."""
+    into its folder (``tokens``: data_tokens_bound's, read here when not given), against each filesystem's
+    free space (or ``free`` bytes on every one)."""
     from ..plan.disk import DiskPlan, Write
     from ..plan.inventory import resolve_config
     from ..plan.planners import lora_parameter_count
@@ -253,17 +253,14 @@ def disk_plan(p, run_dir: Path, free: float | None = None, tokens: int | None = 
     if p.prefix_cache != "off":
         hidden = resolve_config(p.model, p.trust_remote_code).hidden_size
         per_token = hidden * ELEMENT_BYTES.get(p.dtype, 4)
-        if tokens is None:
-            tokens, how = data_tokens_bound(p)
-        else:
-            how = "the data's tokens"
-        folder = prefix.prefix_cache_folder(p.prefix_cache, {}) if p.prefix_cache != "auto" else None
-        if folder is None:
+        tokens, how = tokens or data_tokens_bound(p)
+        if p.prefix_cache == "auto":  # one folder per fingerprint under this one: a new one is empty
             from ..embedded.tiny import cache_root
 
-            folder = cache_root() / "prefix"
-        explicit = p.prefix_cache != "auto" and folder.is_dir()  # auto: one folder per fingerprint below
-        held = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) if explicit else 0
+            folder, held = cache_root() / "prefix", 0
+        else:  # a named folder may hold part of this cache already (a pass cut short)
+            folder = prefix.prefix_cache_folder(p.prefix_cache, {})
+            held = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) if folder.is_dir() else 0
         writes.append(
             Write(
                 "prefix cache",
@@ -284,28 +281,30 @@ def data_tokens_bound(p) -> tuple[int, str]:
     return rows * p.max_len, f"at most {rows:,} rows × max_len {p.max_len:,}"
 
 
-def time_plan(p, machine: Machine | None = None, nodes: int | None = None) -> TimePlan:
+def time_plan(
+    p, machine: Machine | None = None, nodes: int | None = None, tokens: tuple[int, str] | None = None
+) -> TimePlan:
     """The run's load, prefix pass and training at the benchmarks' measured rates (models of R1's widths),
-    on ``nodes`` (the Slurm job's) × this node's GPUs."""
+    on ``nodes`` (the Slurm job's) × this node's GPUs; ``tokens``: data_tokens_bound's, read when needed."""
     from ..cluster.slurm import job_nodes
     from ..model import staging
     from ..plan.inventory import inventory, resolve_config
-    from ..plan.timing import R1_HIDDEN, hari_time
+    from ..plan.timing import hari_time, unmeasured
 
     machine = machine or Machine.detect()
     nodes = nodes or job_nodes()
     config = resolve_config(p.model, p.trust_remote_code)
-    if config.hidden_size != R1_HIDDEN or machine.gpus == 0:
-        return hari_time("HARI training", config.hidden_size, 0, 0, 0, nodes, machine.gpus, False, 0)
+    if why := unmeasured(config.hidden_size, machine.gpus):
+        return TimePlan("HARI training", note=why)
     local = staging.locate(p.model)
     on_disk = staging.check_folder(local).bytes if local is not None else inventory(config).parameters  # FP8
-    tokens, _ = data_tokens_bound(p)
+    tokens_per_epoch, _ = tokens or data_tokens_bound(p)
     per_save = p.save_every * p.batch_size * p.grad_accum * p.max_len * nodes
     return hari_time(
         "HARI training",
         config.hidden_size,
         on_disk / 2**30,
-        tokens,
+        tokens_per_epoch,
         p.epochs,
         nodes,
         machine.gpus,
