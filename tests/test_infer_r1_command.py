@@ -120,3 +120,18 @@ def test_data_parallel_that_cannot_land_on_the_job_is_refused_before_the_server(
     with pytest.raises(BadInput, match=message):
         vllm_inference.check_data_parallel(p, 2)
     vllm_inference.check_data_parallel(p, 1)  # one node: every replica is local, nothing to refuse
+
+
+def test_the_plan_shows_the_two_node_command_and_what_vllms_parser_says_of_it():
+    """`dsr1kit plan` on notebook 10's params: the base server's line for the job's nodes, read by vLLM's
+    parser before any allocation; a flag vLLM does not know makes the plan fail, naming it."""
+    files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
+    p = params.load("notebooks/10_vllm_inference.ipynb", files, {"host": "10.1.2.3"})
+    text, ok = vllm_inference.planned_command(p, 2)
+    assert ok and "accepts it" in text, text
+    assert "2 replica(s) × TP 8, 1 per node, replicas reach 10.1.2.3:" in text
+    assert "--data-parallel-size 2 " in text and "--data-parallel-size-local 1 " in text
+    text, ok = vllm_inference.planned_command(p.model_copy(update={"extra_args": ["--no-such-flag"]}), 2)
+    assert not ok and "refuses it" in text and "--no-such-flag" in text.split("refuses it")[1], text
+    text, ok = vllm_inference.planned_command(p.model_copy(update={"data_parallel_backend": "mp"}), 2)
+    assert not ok and "starts every replica on the first node" in text

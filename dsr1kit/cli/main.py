@@ -104,11 +104,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from ..steps.hari_training import time_plan
 
         print(time_plan(p, machine, args.nodes).text(), end="\n\n")
+    command_ok = True
+    if notebook == "10_vllm_inference":  # the server line, before an allocation waits on it
+        from ..cluster.slurm import job_nodes
+        from ..steps.vllm_inference import planned_command
+
+        text, command_ok = planned_command(p, args.nodes or job_nodes())
+        print(text, end="\n\n")
     if not plans:
         print(f"{notebook} loads no model and writes little: nothing to plan")
     for plan in plans:
         print(plan.text() if plan.fits else plan.refusal(), end="\n\n")
-    return 0 if all(pl.fits for pl in plans) else 3
+    return 0 if command_ok and all(pl.fits for pl in plans) else 3
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
@@ -195,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes",
         type=int,
         default=None,
-        help="nodes of the job, for the time plan (default: this job's, or 1)",
+        help="nodes of the job, for the time plan and the vLLM command (default: this job's, or 1)",
     )
     plan.set_defaults(func=_cmd_plan)
 

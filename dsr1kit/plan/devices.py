@@ -245,11 +245,17 @@ def serving_devices(
     batched_tokens: int,
     enforce_eager: bool,
     cpu_kv_bytes: float,
+    expert_shards: int = 0,
 ) -> tuple[list[Device], dict]:
-    """vLLM: weights sharded over TP x PP, the profiling activations, and the KV cache the rest leaves."""
+    """vLLM: weights sharded over TP x PP, the profiling activations, and the KV cache the rest leaves.
+
+    ``expert_shards``: GPUs the routed experts are split over (TP x PP x DP with expert parallel, where
+    each replica keeps its own attention and dense layers but holds only its share of the experts);
+    0: as the other weights, over TP x PP."""
     c = inv.config
     per_kind = served_bytes_per_param(c, dtype)
     weights = sum(inv.unit_bytes(u, per_kind) for u in inv.units)
+    experts = inv.kind_total("experts") * per_kind["experts"]
     layers = len(inv.layers)
     if getattr(c, "kv_lora_rank", None):  # MLA caches the latent, replicated on every TP rank
         kv_token = layers / pp * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
@@ -281,7 +287,7 @@ def serving_devices(
         return [Device("host", parts, host_bytes)], info
     budget = utilization * gpu_bytes
     parts = {
-        "weights": weights / (tp * pp),
+        "weights": (weights - experts) / (tp * pp) + experts / (expert_shards or tp * pp),
         "activations": activations,
         "CUDA graphs": 0.0 if enforce_eager else 1.0 * GIB,
         "runtime": CUDA_RUNTIME,

@@ -43,7 +43,8 @@ class InspectionInputs:
 
 @dataclass(frozen=True)
 class ServingInputs:
-    """Notebook 10: what vLLM holds per GPU (TP × PP, replicated over DP) and its KV cache."""
+    """Notebook 10: what vLLM holds per GPU (TP × PP, replicated over DP; experts over TP × PP × DP with
+    expert parallel) and its KV cache."""
 
     dtype: str  # auto | bfloat16 | float16 | float32
     tensor_parallel_size: int
@@ -55,3 +56,4 @@ class ServingInputs:
     max_num_batched_tokens: int
     enforce_eager: bool
     cpu_kv_cache_gib: float  # VLLM_CPU_KVCACHE_SPACE on vLLM-CPU (vLLM's default: 4)
+    enable_expert_parallel: bool = False  # experts split over every GPU of every replica (TP × PP × DP)

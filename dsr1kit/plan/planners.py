@@ -274,6 +274,7 @@ def serve_plan(
         batched_tokens=c.max_num_batched_tokens,
         enforce_eager=c.enforce_eager,
         cpu_kv_bytes=c.cpu_kv_cache_gib * GIB,
+        expert_shards=n * c.data_parallel_size if c.enable_expert_parallel else 0,
     )
     facts = {
         "model": f"{_count(inv.parameters)} parameters",
@@ -283,6 +284,11 @@ def serve_plan(
         if bf16_copy
         else c.dtype,
         "GPUs": f"TP {c.tensor_parallel_size} x PP {c.pipeline_parallel_size} x DP {c.data_parallel_size}"
+        + (
+            f", experts over all {n * c.data_parallel_size} (expert parallel)"
+            if c.enable_expert_parallel
+            else ""
+        )
         if machine.gpus
         else "none (vLLM-CPU)",
         "KV": f"{info['kv_bytes_per_token'] / 1024:.1f} KiB/token, room for {info['kv_tokens']:,} tokens",

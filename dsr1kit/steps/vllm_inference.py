@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,17 +29,24 @@ def plan_inputs(p) -> ServingInputs:
         max_num_batched_tokens=p.max_num_batched_tokens,
         enforce_eager=p.enforce_eager,
         cpu_kv_cache_gib=float(p.server_env.get("VLLM_CPU_KVCACHE_SPACE", 4)),
+        enable_expert_parallel=p.enable_expert_parallel,
     )
 
 
 def server_spec(
-    p, model_path: str, lora_modules: dict[str, str] | None = None, max_lora_rank: int | None = None
+    p,
+    model_path: str,
+    lora_modules: dict[str, str] | None = None,
+    max_lora_rank: int | None = None,
+    nodes: int | None = None,
 ) -> ServerSpec:
     """The server command notebook 10's parameters give for ``model_path`` (port 0: a free one), serving
-    ``lora_modules`` (name -> adapter folder) up to rank ``max_lora_rank`` (default: the parameter)."""
+    ``lora_modules`` (name -> adapter folder) up to rank ``max_lora_rank`` (default: the parameter), on a
+    job of ``nodes`` nodes (default: the Slurm job's)."""
     from ..cluster.rendezvous import free_port
 
-    across = p.data_parallel_size > 1 and p.data_parallel_backend == "ray" and job_nodes() > 1
+    nodes = nodes or job_nodes()
+    across = p.data_parallel_size > 1 and p.data_parallel_backend == "ray" and nodes > 1
     return ServerSpec(
         model=model_path,
         port=p.port or free_port(),
@@ -49,7 +57,7 @@ def server_spec(
         data_parallel_size=p.data_parallel_size,
         data_parallel_backend=p.data_parallel_backend,
         data_parallel_size_local=p.data_parallel_size_local
-        or (p.data_parallel_size // job_nodes() if across else 0),
+        or (p.data_parallel_size // nodes if across else 0),
         data_parallel_address=p.host if across else "",  # the head's address, which every node reaches
         data_parallel_rpc_port=free_port() if across else 0,
         enable_expert_parallel=p.enable_expert_parallel,
@@ -75,6 +83,58 @@ def job_nodes() -> int:
     from ..cluster.slurm import job_nodes as nodes
 
     return nodes()
+
+
+def vllm_refuses(command: list[str]) -> str:
+    """What vLLM's own argument parser and serve checks say against a server command line ("" when they
+    accept it): a flag it does not know or a value it refuses, found before any allocation."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
+            validate_parsed_serve_args(make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:]))
+    except SystemExit:
+        lines = [line for line in said.getvalue().splitlines() if line.strip()]
+        return lines[-1] if lines else "its argument parser exited"
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return ""
+
+
+def planned_command(p, nodes: int) -> tuple[str, bool]:
+    """(text, accepted): the base server's command as notebook 10 starts it on a ``nodes``-node job, its
+    replicas, and vLLM's verdict on it where vLLM is installed (a login node may not have it)."""
+    import shlex
+
+    from .preflight import BadInput
+
+    try:
+        check_data_parallel(p, nodes)
+    except BadInput as err:
+        return f"vLLM server on {nodes} node(s): {err}", False
+    spec = server_spec(p, p.model, nodes=nodes)
+    command = spec.command(python="python")
+    layout = f"{spec.data_parallel_size} replica(s) × TP {spec.tensor_parallel_size}"
+    if spec.data_parallel_address:
+        layout += (
+            f", {spec.data_parallel_size_local} per node, replicas reach {spec.data_parallel_address}"
+            f":{spec.data_parallel_rpc_port} ({spec.data_parallel_backend})"
+        )
+    try:
+        import vllm
+
+        refused = vllm_refuses(command)
+        verdict = (
+            f"vLLM {vllm.__version__} refuses it: {refused}"
+            if refused
+            else f"vLLM {vllm.__version__} accepts it"
+        )
+    except ImportError:
+        refused, verdict = "", "vLLM is not installed here: not checked by its parser"
+    text = f"vLLM server on {nodes} node(s), {layout}:\n  {shlex.join(command)}\n  {verdict}"
+    return text, not refused
 
 
 def check_data_parallel(p, nodes: int) -> None:
