@@ -64,9 +64,13 @@ def test_papermill_ran_the_project_interpreter(ok_run):
     import sys
 
     _, runs, _ = ok_run
-    nb = nbformat.read(_only_run(runs) / "report.ipynb", as_version=4)
+    from dsr1kit.run.tidy import MachinePaths
+
+    run_dir = _only_run(runs)
+    nb = nbformat.read(run_dir / "report.ipynb", as_version=4)
     outputs = json.dumps([c.get("outputs", []) for c in nb.cells])
-    assert sys.executable in outputs  # the python check row prints the kernel's interpreter
+    # the python check row prints the kernel's interpreter, written as the project's .venv/bin/python
+    assert MachinePaths.here(run_dir)(sys.executable) in outputs and sys.executable not in outputs
 
 
 def test_secret_from_environment_appears_in_no_file(ok_run):

@@ -175,6 +175,8 @@ def run_notebook(
     """
     import papermill as pm
 
+    from .tidy import MachinePaths, tidy_report
+
     notebook = find_notebook(notebook)
     resolved = dict(parameters)
     if run_dir:
@@ -230,13 +232,18 @@ def run_notebook(
                 "ename": type(error).__name__,
                 "evalue": str(error)[:400],
             }
+        # the report, summary.json and status.json as a teammate reads them (dsr1kit.run.tidy)
+        paths = MachinePaths.here(shared_dir)  # in the files; the terminal (status returned) keeps real paths
         summary = shared_dir / SUMMARY
         if summary.is_file():
             status["summary"] = json.loads(summary.read_text())
+            if rank == 0:
+                _write_json(summary, paths.walk(status["summary"]))
         if ipynb.is_file():
+            tidy_report(ipynb, shared_dir, status)
             render_html(ipynb)
         status = json.loads(redact_text(json.dumps(status, default=str)))  # also the copy raised below
-        _write_json(out_dir / STATUS, status)
+        _write_json(out_dir / STATUS, paths.walk(status))
         redact_secrets(out_dir)
     if error is not None:
         raise NotebookFailed(out_dir, status) from None  # the cell's traceback is in the report, masked
