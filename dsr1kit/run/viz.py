@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,74 @@ def save_figure(fig, run_dir: str | Path, name: str) -> Path:
 
 
 def kv_table(values: dict[str, Any], key: str = "item", value: str = "value"):
+    """One row per item; numbers written with thousands separators and right-aligned, so they line up."""
     import pandas as pd
 
-    return pd.DataFrame([(k, str(v)) for k, v in values.items()], columns=[key, value]).style.hide(
-        axis="index"
+    def shown(v: Any) -> str:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v)
+        return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
+
+    frame = pd.DataFrame([(k, shown(v)) for k, v in values.items()], columns=[key, value])
+    numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()]
+    return (
+        frame.style.hide(axis="index")
+        .apply(
+            lambda col: ["text-align: right" if n else "text-align: left" for n in numeric], subset=[value]
+        )
+        .set_properties(subset=[key], **{"text-align": "left"})
     )
+
+
+class PlansView:
+    """Plans (memory, disk, time) as tables in the report, numbers right-aligned and what does not fit in
+    red with what to change; in the job log and a terminal, the same plans as their text tables."""
+
+    def __init__(self, plans: list[Any], empty: str = "nothing planned"):
+        self.plans = [plan for plan in plans if plan is not None]
+        self.empty = empty
+
+    def __repr__(self) -> str:
+        texts = [plan.text() if getattr(plan, "fits", True) else plan.refusal() for plan in self.plans]
+        return "\n\n".join(texts) or self.empty
+
+    def _repr_html_(self) -> str:
+        return "".join(_plan_html(plan) for plan in self.plans) or f"<p>{html.escape(self.empty)}</p>"
+
+
+def plans_view(*plans: Any, empty: str = "nothing planned") -> PlansView:
+    return PlansView(list(plans), empty)
+
+
+def _plan_html(plan: Any) -> str:
+    import pandas as pd
+
+    title, _, facts = plan.text().splitlines()[0].partition(": ")
+    out = [f"<p><b>{html.escape(title)}</b>" + (f": {html.escape(facts)}" if facts else "") + "</p>"]
+    rows = plan.rows()
+    if rows:
+        frame = pd.DataFrame(rows)
+        numbers = [c for c in frame.columns if pd.api.types.is_numeric_dtype(frame[c])]
+        styler = (
+            frame.style.hide(axis="index")
+            .format({c: "{:,.4g}" for c in numbers})
+            .set_properties(subset=numbers, **{"text-align": "right"})
+            .set_properties(subset=[c for c in frame.columns if c not in numbers], **{"text-align": "left"})
+        )
+        if "fits" in frame.columns:
+            styler = styler.map(
+                lambda v: "color: #b00020; font-weight: bold" if v == "NO" else "", subset=["fits"]
+            )
+        out.append(styler.to_html())
+    if not getattr(plan, "fits", True):
+        problems = "".join(f"<li>{html.escape(p)}</li>" for p in plan.problems())
+        advice = "".join(f"<li>{html.escape(a)}</li>" for a in plan.advice)
+        out.append(
+            f"<div style='color:#b00020'><b>Does not fit:</b><ul>{problems}</ul>"
+            + (f"<b>What to change:</b><ul>{advice}</ul>" if advice else "")
+            + "</div>"
+        )
+    return "".join(out)
 
 
 def training_curves(history: list[dict[str, Any]]):

@@ -113,10 +113,11 @@ def plans_summary(plans) -> dict[str, list[dict]]:
     }
 
 
-def plans_text(plans) -> str:
-    if not plans:
-        return "no plan_files given: no step planned"
-    return "\n\n".join(plan.text() if plan.fits else plan.refusal() for _, plan in plans)
+def plans_view(plans):
+    """The plans of plan_files as tables in the report (text in the job log)."""
+    from ..run.viz import plans_view as view
+
+    return view(*(plan for _, plan in plans), empty="no plan_files given: no step planned")
 
 
 def check_rows(p, ranks: Ranks, ray_rows: list[checks.Row], plans) -> list[checks.Row]:
