@@ -5,15 +5,16 @@ its token read from the command's output), opens the notebook with a double-clic
 browser, clicks Run → Run All Cells in Debian's chromium (driven by Playwright, no downloaded
 browser), waits for the kernel to be idle with every cell executed, and asserts on what the page
 shows: the checks table (00), the loss plot (20), the adapter table (30), the accuracy table (10),
-and no error output anywhere. A screenshot per notebook goes to test-artifacts/browser/.
+the sweep's points and frontier (40), and no error output anywhere. A screenshot per notebook goes
+to test-artifacts/browser/.
 
 Parameters: 00 runs exactly as shipped (its run folder lands in the project's runs/, as for a
 person, and is removed afterwards). For 20, 30 and 10 the test pastes a few lines at the end of
 the parameters cell, as a person would, to put the run folder in the test's own runs folder and
 to shrink the run (20: 4 steps; 30: 4 probes, 1 answer; 10: 4 questions, base model only, one
-server start; 10's merged-adapter path is covered headless by test_infer_notebook.py), so the
-four notebooks together take about two minutes. Nothing is saved: autosave is off in a
-throwaway settings folder, and every test checks that notebooks/ is byte for byte unchanged.
+server start; 40: two points of 4 steps, 16 rows per task; 10's merged-adapter path is covered headless
+by test_infer_notebook.py), so the five notebooks together take about three minutes. Nothing is
+saved: autosave is off in a throwaway settings folder, and every test checks that notebooks/ is byte for byte unchanged.
 
 Nothing outlives a test: the server is shut down through /api/shutdown, then every process it
 started (kernel, ranks, vLLM server) is killed with its process group if still there.
@@ -377,7 +378,7 @@ def column(table: dict, name: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the four notebooks
+# the five notebooks
 
 
 def test_cluster_check_shows_the_checks_table(lab, page):
@@ -482,6 +483,28 @@ max_new_tokens = 8
     assert "server stopped" in text_of(out)
     plots = [img for o in out if "latency_figure" in o["source"] for img in o["images"]]
     assert plots and all(img["src"].startswith("data:image/png") and img["shown"] > 200 for img in plots)
+
+
+def test_forgetting_sweep_shows_the_points_and_the_frontier(lab, page, runs_root):
+    typed = f"""
+# two points, short, in a folder of my own
+run_dir = '{runs_root}/browser-40_forgetting_sweep'
+lambdas = [0.0, 0.9]
+seeds = [0]
+eval_limit = 16
+hari = {{'max_steps': 4, 'sample_limit': 32, 'lora_last_k_layers': 3, 'lr': 0.02}}
+"""
+    out = open_and_run_all(page, lab, "40_forgetting_sweep", typed, timeout_s=400)["outputs"]
+    (points,) = tables_with(out, "lambda_kl", "seed", "acc_b", "b_gain", "acc_a", "a_drop")
+    assert [float(v) for v in column(points, "lambda_kl")] == [0.0, 0.9]
+    assert all(0 <= float(v) <= 1 for v in column(points, "acc_a") + column(points, "acc_b"))
+    assert tables_with(out, "lambda_kl", "runs", "B gain", "A drop")  # the per-λ means
+    plots = [img for o in out if "frontier_figure" in o["source"] for img in o["images"]]
+    assert len(plots) == 2 and all(
+        img["src"].startswith("data:image/png") and img["shown"] > 200 for img in plots
+    )
+    assert re.search(r"Verdict: (OK|WARN)", text_of(out))
+    assert (runs_root / "browser-40_forgetting_sweep" / "summary.json").is_file()
 
 
 def test_lab_without_a_token_prints_a_random_one_that_guards_the_server(tmp_path):
