@@ -248,6 +248,10 @@ def test_notebook_30_report(hari_run, cli, tmp_path):
         "Verdict: ",
     ):
         assert text in html, text
-    assert str(adapter_dir) in html
+    from dsr1kit.run.tidy import (
+        MachinePaths,
+    )  # the report names the adapter as runs/…, not this machine's path
+
+    assert MachinePaths.here(run_dir)(str(adapter_dir)) in html and str(adapter_dir) not in html
     assert (run_dir / "merged" / "model.safetensors").is_file()
     assert {f.name for f in (run_dir / "figures").iterdir()} == {"adapter_norms.png", "kl_histogram.png"}
