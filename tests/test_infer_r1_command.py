@@ -17,22 +17,12 @@ pytest.importorskip("vllm")
 R1 = Path("params/r1-671b-2x8h100")
 
 
-def _vllm_reads(command: list[str]):
-    """vLLM's parse of a server command line (after ``python -m MODULE``), with the serve checks it runs."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
-    validate_parsed_serve_args(args)
-    return args
-
-
 @pytest.mark.parametrize("overlay", [None, "hle", "medmcqa"])
 def test_r1s_base_server_command_is_vllms(overlay):
     files = [R1 / "10_vllm_inference.yaml"] + ([R1 / overlay / "10_vllm_inference.yaml"] if overlay else [])
     p = params.load("notebooks/10_vllm_inference.ipynb", files)
     spec = vllm_inference.server_spec(p, "/models/DeepSeek-R1-0528")
-    args = _vllm_reads(spec.command())
+    args = vllm_inference.vllm_parse(spec.command())
     assert (args.model, args.served_model_name) == ("/models/DeepSeek-R1-0528", ["deepseek-r1"])
     assert (args.tensor_parallel_size, args.enable_expert_parallel) == (16, True)
     assert args.distributed_executor_backend == "ray" and args.reasoning_parser == "deepseek_r1"
@@ -45,7 +35,7 @@ def test_r1s_lora_server_command_is_vllms(tmp_path):
     spec = vllm_inference.server_spec(
         p, "/models/r1", {p.lora_name: str(tmp_path / "adapter")}, max_lora_rank=8
     )
-    args = _vllm_reads(spec.command())
+    args = vllm_inference.vllm_parse(spec.command())
     assert args.enable_lora and args.max_lora_rank == 8 and args.max_loras == 1
     assert [(m.name, m.path) for m in args.lora_modules] == [(p.lora_name, str(tmp_path / "adapter"))]
 
@@ -66,7 +56,7 @@ def _engine_config(command: list[str], tmp_path: Path):
     for name in r1_format.TOKENIZER_FILES:
         if (r1_format.build() / name).is_file():
             shutil.copyfile(r1_format.build() / name, folder / name)
-    args = _vllm_reads(command)
+    args = vllm_inference.vllm_parse(command)
     args.model = str(folder)
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
@@ -92,7 +82,7 @@ def test_r1_data_parallel_over_two_nodes_puts_one_replica_on_each(tmp_path, monk
     p = params.load("notebooks/10_vllm_inference.ipynb", files, {"host": "10.1.2.3"})
     vllm_inference.check_data_parallel(p, 2)
     command = vllm_inference.server_spec(p, "/models/r1").command()
-    args = _vllm_reads(command)
+    args = vllm_inference.vllm_parse(command)
     assert (args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_backend) == (
         2,
         1,

@@ -209,7 +209,11 @@ def stored_bytes(model: str) -> int:
     """Bytes of the model's weights as its checkpoint stores them (FP8 blocks for R1), from its config alone:
     what staging a copy writes at least (R1's multi-token-prediction layer, which the model built from the
     config lacks, comes on top)."""
-    config = resolve_config(model, hub=False)
+    return config_stored_bytes(resolve_config(model, hub=False))
+
+
+def config_stored_bytes(config) -> int:
+    """`stored_bytes` of a config already resolved."""
     inv = inventory(config)
     per_kind = served_bytes_per_param(config, "auto")
     return int(sum(inv.unit_bytes(unit, per_kind) for unit in inv.units))

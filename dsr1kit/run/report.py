@@ -240,7 +240,7 @@ def run_notebook(
             if rank == 0:
                 _write_json(summary, paths.walk(status["summary"]))
         if ipynb.is_file():
-            tidy_report(ipynb, shared_dir, status)
+            tidy_report(ipynb, shared_dir, status, paths)
             render_html(ipynb)
         status = json.loads(redact_text(json.dumps(status, default=str)))  # also the copy raised below
         _write_json(out_dir / STATUS, paths.walk(status))

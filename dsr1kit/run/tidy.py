@@ -94,10 +94,6 @@ class MachinePaths:
             ]
         )
 
-    @property
-    def prefixes(self) -> list[str]:
-        return [p.pattern for p, _ in self._patterns]
-
     def __call__(self, text: str) -> str:
         for pattern, shown in self._patterns:
             text = pattern.sub(shown, text)
@@ -217,8 +213,11 @@ def _markdown(source: str, tag: str) -> dict:
     return {"cell_type": "markdown", "metadata": {"tags": [tag]}, "source": source, "id": tag}
 
 
-def tidy_report(ipynb: Path, run_dir: Path, status: dict | None = None) -> Tidied:
-    """Rewrite the executed notebook in place as the report (see the module's docstring); returns what moved."""
+def tidy_report(
+    ipynb: Path, run_dir: Path, status: dict | None = None, paths: MachinePaths | None = None
+) -> Tidied:
+    """Rewrite the executed notebook in place as the report (see the module's docstring); returns what moved.
+    ``paths``: the run's MachinePaths when the caller has them (else made for ``run_dir``)."""
     nb = json.loads(ipynb.read_text())
     nb["cells"] = [
         c for c in nb.get("cells", []) if not set(c.get("metadata", {}).get("tags", [])) & _OWN_TAGS
@@ -231,7 +230,7 @@ def tidy_report(ipynb: Path, run_dir: Path, status: dict | None = None) -> Tidie
         first_code = next((i for i, c in enumerate(nb["cells"]) if c.get("cell_type") == "code"), 0)
         nb["cells"].insert(first_code, banner)
     nb["cells"].append(warnings_cell(tidied))
-    paths = MachinePaths.here(run_dir)
+    paths = paths or MachinePaths.here(run_dir)
     ipynb.write_text(json.dumps(paths.walk(nb), indent=1, ensure_ascii=False) + "\n")
     return tidied
 

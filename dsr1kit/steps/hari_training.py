@@ -288,7 +288,7 @@ def time_plan(
     on ``nodes`` (the Slurm job's) × this node's GPUs; ``tokens``: data_tokens_bound's, read when needed."""
     from ..cluster.slurm import job_nodes
     from ..model import staging
-    from ..plan.inventory import inventory, resolve_config
+    from ..plan.inventory import config_stored_bytes, resolve_config
     from ..plan.timing import hari_time, unmeasured
 
     machine = machine or Machine.detect()
@@ -297,7 +297,7 @@ def time_plan(
     if why := unmeasured(config.hidden_size, machine.gpus):
         return TimePlan("HARI training", note=why)
     local = staging.locate(p.model)
-    on_disk = staging.check_folder(local).bytes if local is not None else inventory(config).parameters  # FP8
+    on_disk = staging.check_folder(local).bytes if local is not None else config_stored_bytes(config)
     tokens_per_epoch, _ = tokens or data_tokens_bound(p)
     per_save = p.save_every * p.batch_size * p.grad_accum * p.max_len * nodes
     return hari_time(

@@ -85,16 +85,24 @@ def job_nodes() -> int:
     return nodes()
 
 
-def vllm_refuses(command: list[str]) -> str:
-    """What vLLM's own argument parser and serve checks say against a server command line ("" when they
-    accept it): a flag it does not know or a value it refuses, found before any allocation."""
+def vllm_parse(command: list[str]):
+    """vLLM's own parse of a server command line (after ``python -m MODULE``), with the serve checks it runs;
+    argparse exits (SystemExit) on a flag it does not know, the checks raise on a value they refuse."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
+    validate_parsed_serve_args(args)
+    return args
+
+
+def vllm_refuses(command: list[str]) -> str:
+    """What vLLM's own argument parser and serve checks say against a server command line ("" when they
+    accept it): a flag it does not know or a value it refuses, found before any allocation."""
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
-            validate_parsed_serve_args(make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:]))
+            vllm_parse(command)
     except SystemExit:
         lines = [line for line in said.getvalue().splitlines() if line.strip()]
         return lines[-1] if lines else "its argument parser exited"
