@@ -9,6 +9,11 @@ lm_head) is read tensor by tensor from its shards, FP8 blocks are dequantized
 device_map gives. Shard handles are closed after each unit, so the host holds
 about one layer at a time (and far less when the device is a GPU).
 
+With ``fp8_compute`` (the prefix pass), every linear and routed expert stored
+in FP8 stays as stored: ``FP8Linear`` / ``FP8Experts`` (`fp8_compute`) hold the
+e4m3 weights and their block scales and run block-scaled FP8 GEMMs; nothing is
+dequantized. The rest (embeddings, norms, router, lm_head) loads in ``dtype``.
+
 Both expert layouts load: per-expert keys as in DeepSeek's own checkpoints and
 what transformers 5 ``save_pretrained`` writes
 (``mlp.experts.7.gate_proj.weight``), and fused keys
@@ -36,7 +41,8 @@ from .experts_nf4 import (
     is_fused_experts,
     keep_routing_fp32,
 )
-from .fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, dequantize_fp8_blocks
+from .fp8 import DEFAULT_BLOCK, FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
+from .fp8_compute import GROUP, FP8Experts, FP8Linear
 
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -212,8 +218,10 @@ class _UnitReader:
         device: torch.device,
         dtype: torch.dtype,
         index: int | None = None,
+        as_stored: bool = False,
     ) -> torch.Tensor:
-        """Tensor `key` (row `index` of it, if given) checked against `shape`, on `device` in `dtype`."""
+        """Tensor `key` (row `index` of it, if given) checked against `shape`, on `device` in `dtype`;
+        ``as_stored``: an FP8 tensor is not dequantized."""
         handle = self._handle(key)
         sliced = handle.get_slice(key)
         found = tuple(sliced.get_shape())
@@ -226,13 +234,32 @@ class _UnitReader:
             )
         raw = handle.get_tensor(key) if index is None else sliced[index]
         tensor = raw
-        if tensor.dtype == torch.float8_e4m3fn:
+        if tensor.dtype == torch.float8_e4m3fn and not as_stored:
             tensor = self._dequantize(key, tensor.to(device), device, dtype)
         tensor = tensor.to(device=device, dtype=dtype)
         if tensor.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
             # safetensors hands out views of its mmap: one kept view keeps the whole shard resident
             tensor = tensor.clone()
         return tensor
+
+    def stored_fp8(self, key: str) -> bool:
+        """Whether the checkpoint stores ``key`` as e4m3 (with its block scales)."""
+        return self.has(key) and self._handle(key).get_slice(key).get_dtype() == "F8_E4M3"
+
+    def read_fp8(
+        self, key: str, shape: tuple[int, int], device: torch.device, index: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 weight, float32 scale_inv) of ``key`` as stored (row ``index`` of both, if given)."""
+        weight = self.read(key, shape, device, FP8_DTYPE, index=index, as_stored=True)
+        scale_key = key + SCALE_SUFFIX
+        if not self.has(scale_key):
+            raise CheckpointError(
+                f"{self.ckpt.shard_of(key).name}: FP8 tensor {key} has no {scale_key}; "
+                "the checkpoint is incomplete (re-download the shard that holds it)."
+            )
+        sliced = self._handle(scale_key).get_slice(scale_key)
+        scale = self._handle(scale_key).get_tensor(scale_key) if index is None else sliced[index]
+        return weight, scale.to(device=device, dtype=torch.float32).contiguous()
 
     def _dequantize(self, key, tensor, device, dtype):
         scale_key = key + SCALE_SUFFIX
@@ -275,11 +302,27 @@ def nf4_linear(linear: nn.Linear, weight: torch.Tensor, device: torch.device, co
 class UnitLoader:
     """Fills one meta-device model, unit by unit."""
 
-    def __init__(self, ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts):
+    def __init__(
+        self,
+        ckpt,
+        model,
+        device_map,
+        nf4_linears,
+        nf4_experts,
+        keep_bf16,
+        dtype,
+        chunk_experts,
+        fp8_compute=False,
+    ):
         self.ckpt, self.model, self.device_map = ckpt, model, device_map
         self.nf4_linears, self.nf4_experts, self.keep_bf16 = nf4_linears, nf4_experts, tuple(keep_bf16)
-        self.dtype, self.chunk_experts = dtype, chunk_experts
+        self.dtype, self.chunk_experts, self.fp8_compute = dtype, chunk_experts, fp8_compute
         self.implementation = experts_implementation(model.config)
+        if fp8_compute and ckpt.fp8_block not in (None, (GROUP, GROUP)):
+            raise CheckpointError(
+                f"{ckpt.path / 'config.json'}: FP8 compute runs 128x128 weight blocks, this checkpoint has "
+                f"{ckpt.fp8_block}; load it in bf16 or NF4 instead"
+            )
 
     def load_unit(self, prefix: str) -> None:
         unit = self.model.get_submodule(prefix)
@@ -288,8 +331,14 @@ class UnitLoader:
         try:
             for name, module in list(unit.named_modules()):
                 full = f"{prefix}.{name}" if name else prefix
-                if is_fused_experts(module):
+                if is_fused_experts(module) and self.fp8_compute and self._experts_fp8(reader, full):
+                    self._fp8_experts(reader, full, module, device)
+                elif is_fused_experts(module):
                     self._experts(reader, full, module, device)
+                elif (
+                    isinstance(module, nn.Linear) and self.fp8_compute and reader.stored_fp8(f"{full}.weight")
+                ):
+                    self._fp8_linear(reader, full, module, device)
                 elif isinstance(module, nn.Linear) and self._quantize_linear(full):
                     weight = reader.read(f"{full}.weight", tuple(module.weight.shape), device, self.dtype)
                     self._replace(full, nf4_linear(module, weight, device, self.dtype))
@@ -361,6 +410,32 @@ class UnitLoader:
             module.gate_up_proj = nn.Parameter(gate_up, requires_grad=module.gate_up_proj.requires_grad)
             module.down_proj = nn.Parameter(down, requires_grad=module.down_proj.requires_grad)
 
+    def _experts_fp8(self, reader, full) -> bool:
+        return reader.stored_fp8(f"{full}.0.gate_proj.weight")
+
+    def _fp8_linear(self, reader, full, module, device) -> None:
+        new = FP8Linear(module.in_features, module.out_features, module.bias is not None, self.dtype, device)
+        new.weight, new.weight_scale_inv = reader.read_fp8(
+            f"{full}.weight", tuple(module.weight.shape), device
+        )
+        if module.bias is not None:
+            new.bias = reader.read(f"{full}.bias", tuple(module.bias.shape), device, self.dtype)
+        self._replace(full, new)
+
+    def _fp8_experts(self, reader, full, module, device) -> None:
+        """Routed experts stored one key per expert in FP8 (R1's layout), kept as stored."""
+        n_exp, two_i, hidden = module.gate_up_proj.shape
+        inter = two_i // 2
+        target = FP8Experts(n_exp, hidden, inter, module.act_fn, device=device)
+        for e in range(n_exp):
+            gate, up = (
+                reader.read_fp8(f"{full}.{e}.{p}_proj.weight", (inter, hidden), device)
+                for p in ("gate", "up")
+            )
+            down = reader.read_fp8(f"{full}.{e}.down_proj.weight", (hidden, inter), device)
+            target.set_expert(e, gate, up, down)
+        self._replace(full, target)
+
     def _replace(self, name: str, new: nn.Module) -> None:
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, new)
@@ -394,6 +469,7 @@ def load_streaming(
     expect_config: Mapping[str, Any] | None = None,
     chunk_experts: int = CHUNK_EXPERTS,
     progress: bool = True,
+    fp8_compute: bool = False,
 ) -> nn.Module:
     """DeepseekV3ForCausalLM from a BF16 or FP8 checkpoint dir, one unit at a time, in eval mode.
 
@@ -401,13 +477,22 @@ def load_streaming(
     nf4_linears / nf4_experts: NF4 (double quant, blocksize 64, `dtype` compute) for the
     ``nn.Linear`` layers except `keep_bf16`, and for the routed experts.
     expect_config: config fields the checkpoint must have, e.g. ``{"n_routed_experts": 256}``.
+    fp8_compute: keep what the checkpoint stores in FP8 as stored and run it in FP8 (forward only;
+    overrides the NF4 flags for those tensors).
     """
     ckpt = Checkpoint(path)
     if expect_config:
         check_expected_config(ckpt.config, expect_config)
     model = skeleton(ckpt.config)
     check_matches_config(ckpt, model)
-    loader = UnitLoader(ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts)
+    if fp8_compute and ckpt.fp8_block is None:
+        raise CheckpointError(
+            f"{ckpt.path / 'config.json'} has no FP8 quantization_config: the checkpoint is not stored in FP8, "
+            "so there is nothing to compute in FP8; load it in bf16 or NF4 (prefix_precision: bf16 or nf4)"
+        )
+    loader = UnitLoader(
+        ckpt, model, device_map, nf4_linears, nf4_experts, keep_bf16, dtype, chunk_experts, fp8_compute
+    )
     for prefix in tqdm(units(model), desc=f"loading {ckpt.path.name}", unit="unit", disable=not progress):
         if prefix == "lm_head" and model.config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
