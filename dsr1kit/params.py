@@ -482,6 +482,12 @@ class HariParams(NotebookParams):
     cached_layers_nf4: bool = Field(
         False, description="From the cache, load the adapted layers in NF4 (else in dtype; bf16 on GPUs)"
     )
+    prefix_precision: Literal["auto", "fp8", "nf4", "bf16"] = Field(
+        "auto",
+        description="How the prefix pass holds the frozen model: fp8 (an FP8 checkpoint's weights as stored, "
+        "block-scaled FP8 GEMMs), nf4, bf16 (unquantized, in dtype); auto: fp8 for an FP8 checkpoint on GPUs "
+        "with FP8 units (compute capability 8.9 or newer), else as quantization / quantize_experts load it",
+    )
 
     @field_validator("prefix_cache")
     @classmethod

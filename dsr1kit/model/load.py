@@ -44,6 +44,9 @@ class LoadConfig:
     max_memory_gib_per_gpu: float = 78.0  # GiB per GPU the placement may fill
     cpu_max_memory_gib: float = 300.0  # GiB of host memory the placement may fill
     cached_layers_nf4: bool = False  # load_adapted: the adapted layers in NF4
+    fp8_compute: bool = (
+        False  # FP8 weights kept as stored, block-scaled FP8 GEMMs (the prefix pass, forward only)
+    )
 
     @classmethod
     def for_evaluation(
@@ -130,15 +133,17 @@ def local_checkpoint(name: str) -> str:
 
 
 def _load_streaming(cfg: LoadConfig, path: str, dm, dtype):
-    """DeepSeek-V3 with NF4 experts, read layer by layer from BF16 or FP8 shards (R1 fits on one node)."""
+    """DeepSeek-V3 read layer by layer from BF16 or FP8 shards (R1 fits on one node): NF4 experts, or FP8
+    weights kept as stored (``fp8_compute``)."""
     from .stream_load import load_streaming
 
     model = load_streaming(
         local_checkpoint(path),
         device_map=dm if dm is not None else "cpu",
         nf4_linears=cfg.quantization == "nf4",
-        nf4_experts=True,
+        nf4_experts=cfg.quantize_experts,
         dtype=dtype,
+        fp8_compute=cfg.fp8_compute,
     )
     return dispatch_across_gpus(model, dm)
 
@@ -177,7 +182,12 @@ def load_model(cfg: LoadConfig, rank: int = 0, tokenizer=None) -> LoadedModel:
         kwargs["offload_folder"] = str(folder)
     if cfg.quantization == "nf4":
         kwargs["quantization_config"] = quantization_config(dtype)
-    if cfg.quantize_experts:
+    if cfg.fp8_compute and config.model_type != "deepseek_v3":
+        raise ValueError(
+            f"FP8 compute reads DeepSeek-V3 checkpoints (R1, V3); {cfg.model} is {config.model_type}: set "
+            "prefix_precision to nf4 or bf16"
+        )
+    if cfg.quantize_experts or cfg.fp8_compute:
         model = _load_streaming(cfg, path, dm, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -195,6 +205,7 @@ def load_model(cfg: LoadConfig, rank: int = 0, tokenizer=None) -> LoadedModel:
         "quantization": cfg.quantization,
         "resized_vocab": resized,
         "quantize_experts": cfg.quantize_experts,
+        "fp8_compute": cfg.fp8_compute,
         "n_layers": config.num_hidden_layers,
         "parameters": sum(x.numel() for x in model.parameters()),
         "memory_gib": round(model.get_memory_footprint() / 2**30, 3),

@@ -16,14 +16,21 @@ def training_advice(inputs, machine: Machine, inv: Inventory, planner) -> list[s
     out = []
     tries = []
     moe = bool(getattr(inv.config, "n_routed_experts", 0))
-    if getattr(inputs, "quantize_experts", False) is False and moe:
+    if getattr(inputs, "prefix_fp8", False):  # the prefix pass at 1 byte per weight: NF4 holds ~half of that
+        tries.append(
+            (
+                "prefix_precision: nf4 (NF4 experts and linears, dequantized per GEMM)",
+                {"prefix_fp8": False, "quantization": "nf4", "quantize_experts": moe},
+            )
+        )
+    elif getattr(inputs, "quantize_experts", False) is False and moe:
         tries.append(
             (
                 "quantize_experts: true (NF4 experts; the fused experts are most of a MoE)",
                 {"quantize_experts": True},
             )
         )
-    if getattr(inputs, "quantization", "nf4") != "nf4":
+    if getattr(inputs, "quantization", "nf4") != "nf4" and not getattr(inputs, "prefix_fp8", False):
         tries.append(("quantization: nf4", {"quantization": "nf4"}))
     for text, change in tries:
         trial = planner(replace(inputs, **change), machine, inv, False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model.experts_nf4 import CHUNK_EXPERTS
-from .inventory import Inventory, bytes_per_param, served_bytes_per_param
+from .inventory import FP8_BLOCK_BYTES, Inventory, bytes_per_param, served_bytes_per_param
 
 GIB = 2**30
 H100_BYTES = 79.6 * GIB  # an H100-80GB as torch reports it: the GPU size advice assumes without one
@@ -88,6 +88,16 @@ def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool)
     return tokens * act * (inner + 2 * c.hidden_size)
 
 
+def fp8_moe_forward_bytes(c, tokens: int, act: int) -> float:
+    """The FP8 experts' forward (``model.fp8_kernels.experts``): the quantized input and its scales, then per
+    routed row (padded: each expert's rows rounded up to 64) gate/up out in ``act`` bytes, the quantized
+    activation and its scales, and the weighted output per (token, k) slot; plus the residual."""
+    h, inter, k = c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    rows = tokens * k + c.n_routed_experts * 63
+    per_row = 2 * inter * act + inter + inter / 32  # gate_up out, e4m3 activation, fp32 scale per 128
+    return tokens * (h + h / 32 + 2 * h * act) + rows * per_row + tokens * k * h * act
+
+
 def layer_saved_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
     """What autograd keeps of an adapted layer until backward: both blocks' intermediates."""
     return (
@@ -142,6 +152,7 @@ class Workload:
     from_pretrained: bool = True  # weights pass through the host on their way to the GPUs
     train: bool = True  # one HARI fast-path step; False: a forward only
     probe_tokens: int = 0  # forward only: tokens whose fp32 logits are compared
+    fp8: bool = False  # forward only: linears and experts held as stored in FP8, block-scaled FP8 GEMMs
 
 
 def training_devices(
@@ -157,6 +168,8 @@ def training_devices(
     )
     chunk, last_k, lora_params, train = work.chunk, work.last_k, work.lora_params, work.train
     per_kind = bytes_per_param(dtype_bytes, nf4_linears, nf4_experts)
+    if work.fp8:
+        per_kind |= {"experts": FP8_BLOCK_BYTES, "linear": FP8_BLOCK_BYTES}
     weights = {u: inv.unit_bytes(u, per_kind) for u in inv.units}
     n_layers = len(inv.layers)
     adapted = set(range(n_layers - last_k, n_layers))
@@ -176,7 +189,10 @@ def training_devices(
                 dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant
             )
             if not (train and i in adapted):
-                act_peak[d] = max(act_peak[d], layer_forward_bytes(c, i, tokens, act, nf4_experts))
+                forward = layer_forward_bytes(c, i, tokens, act, nf4_experts)
+                if work.fp8 and moe:
+                    forward = max(forward, fp8_moe_forward_bytes(c, tokens, act))
+                act_peak[d] = max(act_peak[d], forward)
     last = where.get("lm_head", where[inv.layers[-1]])
     saved = 0.0
     if train:

@@ -29,6 +29,7 @@ class TrainingInputs:
     from_prefix_cache: bool  # train from the prefix cache: one GPU per rank, only the adapted layers
     cached_layers_nf4: bool  # from the cache: the adapted layers in NF4
     prefix_tokens_per_batch: int  # padded tokens per micro-batch of the prefix pass
+    prefix_fp8: bool = False  # the prefix pass holds the FP8 weights as stored (prefix_precision fp8)
 
 
 @dataclass(frozen=True)

@@ -168,10 +168,11 @@ def prefix_pass_plan(
         c.quantization == "nf4",
         c.quantize_experts,
         c.prefix_tokens_per_batch,
-        from_pretrained=not c.quantize_experts,
+        from_pretrained=not (c.quantize_experts or c.prefix_fp8),  # the streaming loader reads the shards
         train=False,
+        fp8=c.prefix_fp8,
     )
-    return _whole_model_plan(
+    plan = _whole_model_plan(
         "prefix pass (load + forward)",
         c,
         machine,
@@ -180,6 +181,11 @@ def prefix_pass_plan(
         f"{c.prefix_tokens_per_batch} per micro-batch",
         prefix_pass_plan if advise else None,
     )
+    if c.prefix_fp8:
+        plan.facts["weights"] = (
+            f"linears and experts fp8 as stored (e4m3, 128x128 blocks), the rest {c.dtype}"
+        )
+    return plan
 
 
 def inspect_plan(

@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..plan.timing import TimePlan
 from ..train import dist, prefix
 from ..train.hari import HariLoss
 from ..train.loop import TrainConfig, TrainResult, train
+from ..train.prefix import precision
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
@@ -179,8 +180,19 @@ def train_config(p) -> TrainConfig:
     )
 
 
+def prefix_load_config(p) -> LoadConfig:
+    """How the prefix pass loads the full model: prefix_precision made concrete on this node (auto: FP8 as
+    stored for an FP8 checkpoint on GPUs with FP8 units, else as training loads it)."""
+    from ..plan.inventory import resolve_config
+
+    chosen = precision.resolve(p.prefix_precision, p.model, p.trust_remote_code)
+    model_type = resolve_config(p.model, p.trust_remote_code).model_type if chosen == "nf4" else ""
+    return precision.prefix_load(load_config(p), chosen, model_type)
+
+
 def prefix_config(p) -> prefix.PrefixConfig:
-    """What the prefix cache's fingerprint reads of the parameters."""
+    """What the prefix cache's fingerprint reads of the parameters (the model as the prefix pass loads it)."""
+    load = prefix_load_config(p)
     return prefix.PrefixConfig(
         dataset=p.dataset,
         splits=tuple(p.splits),
@@ -188,8 +200,9 @@ def prefix_config(p) -> prefix.PrefixConfig:
         system_prompt=p.system_prompt,
         max_len=p.max_len,
         dtype=p.dtype,
-        quantization=p.quantization,
-        quantize_experts=p.quantize_experts,
+        quantization=load.quantization,
+        quantize_experts=load.quantize_experts,
+        fp8=load.fp8_compute,
     )
 
 
@@ -220,6 +233,17 @@ def plan_inputs(p) -> TrainingInputs:
         from_prefix_cache=p.prefix_cache != "off",
         cached_layers_nf4=p.cached_layers_nf4,
         prefix_tokens_per_batch=p.prefix_tokens_per_batch,
+    )
+
+
+def prefix_plan_inputs(p) -> TrainingInputs:
+    """What the prefix pass's planner reads: the training inputs with the model as the pass loads it."""
+    load = prefix_load_config(p)
+    return replace(
+        plan_inputs(p),
+        quantization=load.quantization,
+        quantize_experts=load.quantize_experts,
+        prefix_fp8=load.fp8_compute,
     )
 
 
@@ -340,11 +364,11 @@ def fill_prefix_cache(
     first = first_layer_of(p)
 
     def check_plan() -> None:
-        prefix_pass_plan(plan_inputs(p), Machine.detect()).check()
+        prefix_pass_plan(prefix_plan_inputs(p), Machine.detect()).check()
 
     return prefix.fill_prefix_cache(
         fill_config(p),
-        load_config(p),
+        prefix_load_config(p),
         prefix_config(p),
         info,
         data.encoded.examples,

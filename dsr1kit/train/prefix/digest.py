@@ -1,6 +1,6 @@
 """What determines the cached tensors: a cache is reused only by a run that would compute exactly the same ones.
 
-The fingerprint covers the model files, dtype, quantization, tokenizer, data
+The fingerprint covers the model files, dtype, quantization (FP8 as stored, NF4 or none), tokenizer, data
 plan, max_len, the encoded samples and the first adapted layer; a mismatch is
 refused field by field. Its strings and their order are the keys of caches
 already on disk (and of their ``auto`` folders): change them and every cache
@@ -19,6 +19,7 @@ import torch
 from ...data.labels import Encoded
 
 VERSION = 1
+FP8_PASS = "fp8 as stored: e4m3 weights in 128x128 blocks, activations per 1x128 group"
 # model files smaller than this are hashed whole; larger ones by name, size, header
 FULL_HASH_BELOW = 256 * 2**20
 
@@ -35,6 +36,7 @@ class PrefixConfig:
     dtype: str  # bfloat16 | float32: the dtype the prefix runs and is stored in
     quantization: str  # nf4 | none: the linears of the full model that runs the prefix
     quantize_experts: bool  # NF4 fused MoE experts in that model
+    fp8: bool = False  # the checkpoint's FP8 weights as stored, block-scaled FP8 GEMMs (prefix_precision fp8)
 
 
 def _file_digest(path: Path, h) -> None:
@@ -93,7 +95,9 @@ def fingerprint(
         "version": str(VERSION),
         "model": f"{Path(model_path).name} {model_digest(model_path)}",
         "dtype": cfg.dtype,
-        "quantization": f"linears {cfg.quantization}, experts {'nf4' if cfg.quantize_experts else 'as stored'}",
+        "quantization": FP8_PASS
+        if cfg.fp8
+        else f"linears {cfg.quantization}, experts {'nf4' if cfg.quantize_experts else 'as stored'}",
         "tokenizer": tokenizer_digest(tokenizer),
         "data_plan": json.dumps(
             {
