@@ -26,6 +26,14 @@ usage() { sed -n '2,20p' "$0" >&2; exit 2; }
 role=$1; shift
 PY=${PYTHON:-python}
 
+stop_leftover() {  # $1 = temp dir. A requeued job keeps its id, so its port and temp dir: a Ray that an
+  # earlier run of it left on this node (its cleanup cut short) would hold them and refuse the new start.
+  if [ -d "$1" ]; then
+    echo "a Ray node of an earlier run of this job is left at $1: stopping it first" >&2
+    "$PY" -m dsr1kit.cluster.ray stop --temp-dir "$1" >&2 || true
+  fi
+}
+
 common_args() {  # flags shared by head and worker; $1 = temp dir
   local args=(
     --temp-dir="$1"                      # this job's own dir: logs, sockets; removed by `stop`
@@ -43,6 +51,7 @@ case "$role" in
     [ $# -ge 3 ] || usage
     ip=$1 port=$2 tmp=$3; shift 3
     : "${RAY_AGENT_PORT:=$((port + 3))}"
+    stop_leftover "$tmp"
     mapfile -t common < <(common_args "$tmp")
     args=(
       --head
@@ -59,6 +68,7 @@ case "$role" in
     ip=$1 head=$2 tmp=$3; shift 3
     : "${RAY_AGENT_PORT:=$((${head##*:} + 3 + ${NODE_INDEX:-1}))}"
     mapfile -t common < <(common_args "$tmp")
+    stop_leftover "$tmp"
     # --block: under srun the step must live as long as the worker, or Slurm reaps its processes.
     # A worker whose raylet does not register with the head in time (Ray waits a fixed 30 s; seen on
     # loaded hosts) exits at once: stop what it left under its temp dir and start it again, up to

@@ -15,11 +15,11 @@ from torch import nn
 
 from dsr1kit.model import fp8_compute
 from dsr1kit.model.checkpoint_index import CheckpointError
+from dsr1kit.model.expert_tiles import expert_tiles
 from dsr1kit.model.fp8 import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from dsr1kit.model.fp8_compute import (
     FP8Experts,
     FP8Linear,
-    expert_tiles,
     quantize_activations,
     reference_linear,
 )

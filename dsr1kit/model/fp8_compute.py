@@ -61,32 +61,6 @@ def reference_linear(
     return y.to(out_dtype or x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def expert_tiles(
-    top_k_index: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """How the grouped GEMMs tile the routed rows: (rows [P], block_expert [P / block_m]).
-
-    ``rows``: the (token, k) slots sorted by expert, each expert's run padded to ``block_m`` with -1;
-    ``block_expert``: the expert of each row tile (-1 past the last). P is the bound T·k + E·(block_m − 1),
-    so nothing waits for the GPU to count."""
-    flat = top_k_index.reshape(-1)
-    slots = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    start = torch.cumsum(counts, 0) - counts
-    position = (padded_end - padded)[by_expert] + torch.arange(slots, device=flat.device) - start[by_expert]
-    bound = -(-(slots + num_experts * (block_m - 1)) // block_m) * block_m
-    rows = torch.full((bound,), -1, dtype=torch.int32, device=flat.device)
-    rows[position] = order.to(torch.int32)
-    tile_start = torch.arange(0, bound, block_m, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
-    block_expert[block_expert >= num_experts] = -1
-    return rows, block_expert
-
-
 def is_silu(act_fn) -> bool:
     """Whether ``act_fn`` computes SiLU (transformers wraps it in its own class): checked on probe values."""
     probe = torch.tensor([-6.0, -1.0, -0.25, 0.0, 0.5, 3.0])

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .expert_tiles import expert_tiles
 from .fp8 import FP8_DTYPE, FP8_MAX
-from .fp8_compute import expert_tiles
 
 GROUP = 128
 EPS = 1e-10
