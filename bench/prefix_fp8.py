@@ -201,6 +201,50 @@ def torch_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     return " | ".join(errors)
 
 
+def experts_by_torch(fp8: FP8Experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+    """The routed experts with torch's block-scaled GEMM, one expert at a time (a callable), or why not."""
+    import torch.nn.functional as F
+
+    from dsr1kit.model import fp8_kernels
+
+    kinds = getattr(F, "ScalingType", None)
+    if kinds is None:
+        return "no torch.nn.functional.ScalingType"
+    a_kind = getattr(kinds, "BlockWise1x128", None) or getattr(kinds, "Blockwise_1x128", None)
+    b_kind = getattr(kinds, "BlockWise128x128", None) or getattr(kinds, "Blockwise_128x128", None)
+    tokens, top_k = index.shape
+    i, p = fp8.intermediate_dim, fp8.padded_dim
+
+    def mm(a, w, w_scale):
+        q, s = fp8_kernels.quantize(a)
+        return F.scaled_mm(
+            q, w.t(), s.t().contiguous().t(), a_kind, w_scale.t(), b_kind, output_dtype=x.dtype
+        )
+
+    def run():
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=fp8.num_experts).tolist()  # one host sync per layer
+        slots = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            mine = order[start : start + c]
+            start += c
+            gu = mm(x[mine // top_k], fp8.gate_up[e], fp8.gate_up_scale_inv[e])
+            h = F.silu(gu[:, :i].float()) * gu[:, p : p + i].float()
+            y = mm(h, fp8.down[e], fp8.down_scale_inv[e])
+            slots[mine] = (y.float() * weights.reshape(-1)[mine, None]).to(x.dtype)
+        return slots.view(tokens, top_k, -1).sum(1)
+
+    try:
+        run()
+    except Exception as err:  # noqa: BLE001 - the probe records whatever torch says
+        return f"{type(err).__name__}: {str(err)[:300]}"
+    return run
+
+
 def gemm_rows(args, device: torch.device) -> list[dict]:
     """The GEMMs alone at prefix-pass shapes (16k-token micro-batch): the kit's FP8 kernel (activation
     quantization included, and alone) beside torch's bf16 matmul, as TFLOP/s."""
@@ -265,10 +309,24 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
     weights = torch.rand(tokens, top_k, generator=g, device=device)
     flop = 2 * tokens * top_k * 3 * hidden * inter
     with torch.no_grad():
+        loop = experts_by_torch(fp8, x, index, weights)
+        if isinstance(loop, str):
+            rows.append({"gemm": "experts", "what": "torch scaled_mm per expert", "error": loop})
+        else:
+            rows.append(
+                {
+                    "gemm": "experts",
+                    "what": "torch scaled_mm per expert vs emulation",
+                    "rel_error": round(rel(loop(), fp8.reference(x, index, weights)), 6),
+                }
+            )
         for what, fn in (
             ("bf16 transformers experts (grouped_mm)", lambda: bf16(x, index, weights)),
             ("fp8 kernels", lambda: fp8(x, index, weights)),
+            ("torch scaled_mm per expert", loop),
         ):
+            if isinstance(fn, str):
+                continue
             sec = timed(fn, device, args.warmup, args.iters)
             rows.append(
                 {

@@ -14,8 +14,8 @@ Paths compared:
 - whole model (today's default): one process per node, the 61 layers over the
   node's GPUs through a device_map, so one GPU works at a time; nodes are data
   parallel. More GPUs per node hold the model but do not speed a step up.
-- prefix cache: epoch 1 runs the prefix pass once (forward only, NF4, the
-  node's GPUs as a wavefront: ideal = every GPU busy; worst = one at a time,
+- prefix cache: epoch 1 runs the prefix pass once (forward only, NF4, or FP8
+  as stored with ``--prefix-fp8``; the node's GPUs as a wavefront: ideal = every GPU busy; worst = one at a time,
   which is what an unpipelined device_map gives), then every epoch trains with
   one process per GPU on the cached states (the bf16 last layer).
 """
@@ -29,6 +29,19 @@ from pathlib import Path
 
 def hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
+    """Tokens/s per GPU of R1's 60-layer prefix (3 dense + 57 MoE) from bench.prefix_fp8's layer times."""
+    f = json.loads(path.read_text())
+    ms = {r["layer"]: r["ms"] for r in f["rows"] if r["path"] == "fp8" and [r["batch"], r["seq"]] == shape}
+    total = 3 * ms["dense"] + 57 * ms["moe"]
+    rate = shape[0] * shape[1] / (total / 1e3)
+    lines.append(
+        f"prefix pass in FP8 ({f['meta']['device']}): 3 dense × {ms['dense']} ms + 57 MoE × {ms['moe']} ms = "
+        f"{total:,.0f} ms per {shape[0] * shape[1]:,} tokens = {rate:,.0f} tokens/s per GPU"
+    )
+    return rate
 
 
 def main() -> None:
@@ -45,6 +58,12 @@ def main() -> None:
         help="GB/s per node the cache's disk gives (a row where the epoch waits for the disk)",
     )
     ap.add_argument("--prefix-shape", default="4x4096", help="prefix-pass batch whose rate is used")
+    ap.add_argument(
+        "--prefix-fp8",
+        default="",
+        help="bench.prefix_fp8's JSON: the prefix pass at its FP8 per-layer times (prefix_precision fp8), "
+        "in place of the NF4 ones",
+    )
     args = ap.parse_args()
 
     m = json.loads(Path(args.measured).read_text())
@@ -72,6 +91,8 @@ def main() -> None:
         f"epoch = {tokens:,.0f} / {whole_rate:,.0f} = {whole_epoch:,.0f} s"
     )
     prefix_gpu = pre["r1_60_split_tokens_per_s_per_gpu"]
+    if args.prefix_fp8:
+        prefix_gpu = fp8_prefix_rate(Path(args.prefix_fp8), shape, lines)
     ideal_rate, serial_rate = gpus * prefix_gpu, nodes * prefix_gpu
     ideal, serial = tokens / ideal_rate, tokens / serial_rate
     lines.append(

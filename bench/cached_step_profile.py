@@ -1,0 +1,110 @@
+"""Where the cached HARI step's time goes at R1 widths: the CUDA kernels of one step, largest first.
+
+    python -m bench.cached_step_profile --out cached_profile.json            # one H200 (~1 min)
+    python -m bench.cached_step_profile --device cpu --tiny --out /tmp/c.json  # smoke test
+
+The step is bench.hari_cached's cached step (one R1-width MoE layer, final norm
+and lm_head from a [1, S, 7168] bf16 hidden state; λ=0.9, T=1.5, KL over all
+tokens, CE on the second half, LoRA r=4 on q_a/q_b; forward + backward, no
+optimizer). After warm-up, ``--iters`` steps run under torch.profiler; each
+kernel's device time per step is listed, and summed per kind (GEMMs, attention,
+the loss's work over the vocabulary, copies and elementwise, the rest), beside
+the step's wall time and the arithmetic it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import free, peak_gib, reset_peak, sync
+from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config
+
+KINDS = (
+    ("gemm", ("gemm", "cutlass", "xmma", "sm90_", "nvjet", "_mm", "matmul", "gemv")),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("softmax / loss over the vocabulary", ("softmax", "log_softmax", "nll", "cross_entropy", "logsumexp")),
+    ("copies and casts", ("copy", "cat", "index", "gather", "scatter", "fill", "memcpy", "memset")),
+    ("elementwise and reductions", ("elementwise", "reduce", "vectorized", "unrolled")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, marks in KINDS:
+        if any(m in low for m in marks):
+            return kind
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seq", type=int, default=0)
+    ap.add_argument("--experts", default="bf16", choices=("bf16", "nf4"))
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    seq = args.seq or (64 if args.tiny else 4096)
+    config = make_config(1, args.tiny, cached=True)
+    model, plan = build_one_device(config, device, experts=args.experts, linears="bf16", embed=False)
+    batch = cached_batch(config, seq, device)
+    first = min(plan.layers)
+    for _ in range(3):
+        hari_step(model, batch, first)
+        model.zero_grad(set_to_none=True)
+    free(device)
+    reset_peak(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.iters):
+            hari_step(model, batch, first)
+            model.zero_grad(set_to_none=True)
+        sync(device)
+    wall_ms = (time.perf_counter() - t0) / args.iters * 1e3
+    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    kernels = sorted(
+        (
+            {
+                "kernel": e.key[:100],
+                "kind": kind_of(e.key),
+                "ms_per_step": round(e.device_time_total / args.iters / 1e3, 3),
+                "calls_per_step": e.count // args.iters,
+            }
+            for e in events
+        ),
+        key=lambda r: -r["ms_per_step"],
+    )
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        by_kind[k["kind"]] = round(by_kind.get(k["kind"], 0.0) + k["ms_per_step"], 3)
+    launches = sum(k["calls_per_step"] for k in kernels)
+    summary = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "experts": args.experts,
+        "seq": seq,
+        "wall_ms_per_step": round(wall_ms, 2),
+        "tokens_per_s": round(seq / wall_ms * 1e3, 1),
+        "kernel_ms_per_step": round(sum(k["ms_per_step"] for k in kernels), 2),
+        "launches_per_step": launches,
+        "peak_gib": peak_gib(device),
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+    }
+    print(json.dumps(summary, indent=1))
+    for k in kernels[:30]:
+        print(json.dumps(k))
+    Path(args.out).write_text(json.dumps({"summary": summary, "kernels": kernels}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
