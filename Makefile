@@ -3,6 +3,7 @@
 #   make test   the test suite
 # Both create .venv (pip, pinned CPU lock in requirements/cpu.txt) and install the
 # Debian packages the tests need when missing; re-running them skips finished steps.
+# make compare  HARI against early-stopped SFT, replay and a smaller adapter on the tiny model (~10 min, CPU)
 # Then, to explore: make lab   JupyterLab on the project (dsr1kit kernel, notebooks folder open),
 #   printing the URL with its token.
 
@@ -18,10 +19,15 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 LAB_ARGS ?=
 
-.PHONY: demo test lint format venv vllm sysdeps lab clean-runs data
+.PHONY: demo test lint format venv vllm sysdeps lab clean-runs data compare
 
 demo: venv vllm
 	$(BIN)/dsr1kit demo
+
+compare: venv
+	$(BIN)/dsr1kit run notebooks/40_forgetting_sweep.ipynb -f params/tiny/40_forgetting_sweep.yaml \
+	  -f params/tiny/methods/40_forgetting_sweep.yaml \
+	  --run-dir runs/method-comparison
 
 test: lint vllm sysdeps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

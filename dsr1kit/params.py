@@ -440,6 +440,16 @@ class HariParams(NotebookParams):
     clip_norm: float = Field(1.0, gt=0, description="Gradient norm clip")
     log_every: int = Field(3, ge=1, description="Optimizer steps between metric lines")
     save_every: int = Field(15, ge=1, description="Optimizer steps between checkpoints (and on SIGUSR1)")
+    snapshot_every: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps between adapter snapshots kept under snapshots/ (the trajectory that "
+        "early stopping picks from); 0: none",
+    )
+    snapshot_steps: list[int] = Field(
+        [],
+        description="Also keep an adapter snapshot at these optimizer steps (dense early, where SFT moves fast)",
+    )
     lambda_kl: float = Field(
         0.1,
         ge=0,
@@ -537,7 +547,17 @@ class InspectParams(NotebookParams):
         return value
 
 
-SET_BY_SWEEP = ("run_dir", "model", "dataset", "lambda_kl", "seed", "system_prompt", "max_len")
+SET_BY_SWEEP = (
+    "run_dir",
+    "model",
+    "dataset",
+    "lambda_kl",
+    "seed",
+    "system_prompt",
+    "max_len",
+    "snapshot_every",
+    "snapshot_steps",
+)
 
 
 class SweepParams(NotebookParams):
@@ -567,6 +587,56 @@ class SweepParams(NotebookParams):
         "run_dir model dataset lambda_kl seed system_prompt max_len)",
     )
     kl_span: Literal["answer", "all"] = Field("answer", description="Tokens KL(base||adapted) is measured on")
+    baselines: list[Literal["replay", "small_adapter"]] = Field(
+        [],
+        description="Cheaper methods run beside HARI per seed at lambda 0: replay (the base's own answers mixed "
+        "into B) and small_adapter (the LoRA of small_adapter)",
+        json_schema_extra=section("methods compared"),
+    )
+    snapshot_every: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps between adapter snapshots of every run, each measured as a point (SFT "
+        "stopped early, traced); 0: the end of each run only",
+    )
+    snapshot_steps: list[int] = Field(
+        [],
+        description="Also snapshot every run at these optimizer steps (dense early: plain SFT learns B fast)",
+    )
+    small_adapter: dict[str, Any] = Field(
+        {"lora_r": 1}, description="Notebook 20 parameters of the smaller adapter (rank, targets, layers)"
+    )
+    replay_prompts: str = Field(
+        "data/task_a_prompts.jsonl",
+        description="A-style prompts the base answers for replay (their answers are never read; held-out "
+        "evaluation questions are dropped)",
+    )
+    replay_ratio: float = Field(0.5, gt=0, description="Replay rows per training row of B")
+    replay_limit: int = Field(400, ge=1, description="Replay prompts answered at most")
+    replay_max_new_tokens: int = Field(64, ge=1, description="Tokens of each greedy base answer at most")
+    match_fractions: list[float] = Field(
+        [0.5, 0.75, 0.9],
+        description="B gains at which methods are matched, as fractions of the largest mean B gain any reaches",
+    )
+
+    @field_validator("match_fractions")
+    @classmethod
+    def _fractions(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0 < v <= 1 for v in value):
+            raise ValueError("give fractions in (0, 1]")
+        return value
+
+    @field_validator("small_adapter")
+    @classmethod
+    def _small_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = [k for k in value if k not in HariParams.keys() or k in SET_BY_SWEEP]
+        if unknown:
+            raise ValueError(
+                f"{unknown} cannot be set for the smaller adapter; valid: "
+                f"{', '.join(k for k in HariParams.keys() if k not in SET_BY_SWEEP)}"
+            )
+        HariParams(**value)
+        return value
 
     @field_validator("lambdas", "seeds")
     @classmethod

@@ -52,3 +52,42 @@ def test_sweep_parameters_refuse_what_the_sweep_sets_and_unknown_keys():
         P.load("40_forgetting_sweep", overrides={"hari": {"learning_rate": 0.1}})
     with pytest.raises(P.ParamsError, match="each once"):
         P.load("40_forgetting_sweep", overrides={"seeds": [0, 0]})
+
+
+def test_baselines_follow_the_lambda_points_and_run_at_lambda_zero_on_the_steps_budget_of_b(tmp_path):
+    from dsr1kit import params as P
+    from dsr1kit.steps import forgetting_sweep as sweep
+
+    p = P.load(
+        "40_forgetting_sweep",
+        overrides={
+            "lambdas": [0, 0.9],
+            "seeds": [0, 1],
+            "baselines": ["small_adapter", "replay"],
+            "snapshot_every": 30,
+        },
+    )
+    pts = sweep.points(p)
+    assert [(pt.index, pt.family, pt.lambda_kl, pt.seed) for pt in pts[4:]] == [
+        (4, "small_adapter", 0, 0),
+        (5, "small_adapter", 0, 1),
+        (6, "replay", 0, 0),
+        (7, "replay", 0, 1),
+    ]
+    assert sweep.compares_methods(p)
+    hp = sweep.point_params(p, pts[4], tmp_path)
+    assert (hp.lora_r, hp.lambda_kl, hp.seed, hp.snapshot_every) == (1, 0, 0, 30)
+    assert hp.run_dir == str(tmp_path / "points" / "small_adapter-seed0")
+    assert sweep.point_params(p, pts[2], tmp_path).lora_r == 4  # HARI keeps notebook 20's rank
+    assert sweep.b_steps(p) == 120  # 320 rows / (batch 4 x accumulation 2) x 3 epochs
+
+
+def test_the_smaller_adapter_takes_notebook_20_keys_the_sweep_does_not_set():
+    from dsr1kit import params as P
+
+    with pytest.raises(P.ParamsError, match=r"\['lambda_kl'\] cannot be set for the smaller adapter"):
+        P.load("40_forgetting_sweep", overrides={"small_adapter": {"lambda_kl": 1.0}})
+    with pytest.raises(P.ParamsError, match=r"\['lora_rank'\] cannot be set .* valid: .*lora_r"):
+        P.load("40_forgetting_sweep", overrides={"small_adapter": {"lora_rank": 1}})
+    with pytest.raises(P.ParamsError, match="baselines"):
+        P.load("40_forgetting_sweep", overrides={"baselines": ["distillation"]})

@@ -101,9 +101,11 @@ def add_sweep_point(sub) -> None:
     point = sub.add_parser(
         "sweep-point",
         help="one point of the forgetting sweep (a job array task), or --count the points",
-        description="One (λ, seed) point of notebook 40's sweep: HARI on task B, then measured on A and B, "
-        "written to RUN/points/<point>/result.json (a point with a result is never redone). --count prints "
-        "the number of points (the job array's size) and runs nothing; it also checks the parameters.",
+        description="One point of notebook 40's sweep, a (λ, seed) of HARI or a baseline's seed: trained on "
+        "task B, then measured on A and B at the end and at each snapshot, written to "
+        "RUN/points/<point>/result.json (and snapshots/step-N/result.json); one JSON line per measurement, "
+        "the end last (a point with its results is never redone). --count prints the number of points (the "
+        "job array's size) and runs nothing; it also checks the parameters.",
     )
     add_params_options(point, run_dir="optional", run_dir_help="the sweep's run folder (needed with --point)")
     group = point.add_mutually_exclusive_group(required=True)
@@ -131,5 +133,6 @@ def cmd_sweep_point(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(json.dumps(run_point(p, todo[args.point], args.run_dir).to_dict()))
+    for result in run_point(p, todo[args.point], args.run_dir):  # by step, the end of the run last
+        print(json.dumps(result.to_dict()))
     return 0

@@ -17,6 +17,9 @@
   model is pre-trained on A and on two other phrasings ("starts the list",
   "ends the list"), never on B: it does A and cannot yet do B, though it can
   find a last word.
+- ``task_a_prompts.jsonl``: A-style questions without answers, the prompts whose
+  answers the base model itself gives for replay (notebook 40's ``replay``
+  method); a question that is also a held-out row is dropped when replayed.
 """
 
 from __future__ import annotations
@@ -258,9 +261,11 @@ def main(out_dir: str = "data") -> None:
     write_jsonl(out / "task_a_eval.jsonl", make_position_rows("A", 200, seed=21))
     write_jsonl(out / "task_b_train.jsonl", make_position_rows("B", 320, seed=31))
     write_jsonl(out / "task_b_eval.jsonl", make_position_rows("B", 200, seed=22))
+    prompts = [{"id": r["id"], "question": r["question"]} for r in make_position_rows("A", 400, seed=41)]
+    write_jsonl(out / "task_a_prompts.jsonl", prompts)
     print(
         f"wrote sft_tiny.jsonl, eval_tiny.jsonl, retain_tiny.jsonl, task_a_eval.jsonl, task_b_train.jsonl, "
-        f"task_b_eval.jsonl under {out}"
+        f"task_b_eval.jsonl, task_a_prompts.jsonl under {out}"
     )
 
 

@@ -69,3 +69,40 @@ def kl_figure(results: list[PointResult]):
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def comparison_figure(results: list[PointResult], levels=()):
+    """Each method's frontier: A accuracy kept against B gain, mean over seeds with the seed spread shaded
+    (where every seed reaches the gain), its points faint, the matched gains as dotted lines."""
+    import matplotlib.pyplot as plt
+
+    from .frontier import a_kept_at, label, method_of, seed_frontiers
+
+    frontiers = seed_frontiers(results)
+    top = max((f[-1][0] for by_seed in frontiers.values() for f in by_seed.values()), default=0.0)
+    grid = [top * i / 100 for i in range(101)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colours = {"hari": "tab:blue", "sft": "tab:red", "replay": "tab:green", "small_adapter": "tab:purple"}
+    for method, by_seed in frontiers.items():
+        colour = colours.get(method, "tab:gray")
+        xs, mean, lo, hi = [], [], [], []
+        for g in grid:
+            vals = [a_kept_at(f, g) for f in by_seed.values()]
+            if any(v is None for v in vals):
+                break
+            m = sum(vals) / len(vals)
+            s = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            xs.append(g), mean.append(m), lo.append(m - s), hi.append(m + s)
+        ax.plot(xs, mean, color=colour, label=f"{label(method)} (n={len(by_seed)})")
+        ax.fill_between(xs, lo, hi, color=colour, alpha=0.15, lw=0)
+        pts = [r for r in results if method_of(r) == method]
+        ax.scatter([r.b_gain for r in pts], [r.acc_a for r in pts], color=colour, s=10, alpha=0.35)
+    for lv in levels:
+        ax.axvline(lv.gain, color="black", lw=0.6, ls=":")
+    ax.set_xlabel("learning on B: adapted acc − base acc")
+    ax.set_ylabel("A accuracy kept")
+    ax.set_title("at the same gain on B, who keeps more of A? (mean ± seed std; up is better)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

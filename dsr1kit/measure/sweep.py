@@ -30,11 +30,22 @@ class PointResult:
     n_a: int = 0  # rows judged on A / on B
     n_b: int = 0
     adapter_dir: str = ""
+    method: str = "hari"  # the point family (dsr1kit.measure.frontier.METHODS); λ = 0 runs are "sft"
+    step: int = 0  # optimizer steps the adapter had trained; == total_steps (or 0, older results): the end
+    total_steps: int = 0
+    tokens: int = 0  # what the adapter cost to train up to `step`: tokens, seconds, peak memory (GiB)
+    train_s: float = 0.0
+    peak_memory_gib: float = 0.0
 
     @property
     def a_drop(self) -> float:
         """Forgetting: base accuracy on A minus adapted accuracy on A."""
         return self.base_acc_a - self.acc_a
+
+    @property
+    def final(self) -> bool:
+        """The end of its training run (not a snapshot along it)."""
+        return self.step == 0 or self.step >= self.total_steps
 
     @property
     def b_gain(self) -> float:
@@ -238,8 +249,10 @@ def results_table(results: list[PointResult]) -> list[dict[str, Any]]:
     """One row per point, rounded for the notebook's table."""
     return [
         {
+            "method": r.method,
             "lambda_kl": r.lambda_kl,
             "seed": r.seed,
+            "step": f"{r.step}/{r.total_steps}" if r.total_steps else "end",
             "acc_b": round(r.acc_b, 4),
             "b_gain": round(r.b_gain, 4),
             "acc_a": round(r.acc_a, 4),

@@ -93,6 +93,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "resume",
         "log_every",
         "save_every",
+        "snapshot_every",
+        "snapshot_steps",
         "offload_dir",
         "device_map",
         "max_memory_gib_per_gpu",
@@ -146,3 +148,33 @@ def check_resumable(run_dir: str | Path, params: dict[str, Any]) -> Path | None:
 
 def load(path: str | Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+SNAPSHOTS = "snapshots"
+
+
+def save_snapshot(model, tokenizer, run_dir: str | Path, step: int, cost: dict[str, Any]) -> Path:
+    """The adapter at ``step`` in PEFT format under ``snapshots/step-NNNNNNN`` with ``cost.json`` (tokens,
+    seconds, peak memory so far): a point of the training trajectory that early stopping could have kept.
+    Written to a temp folder and renamed, so a listed snapshot is whole."""
+    root = Path(run_dir) / SNAPSHOTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "cost.json").write_text(json.dumps(cost, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every whole snapshot of a run, by step."""
+    root = Path(run_dir) / SNAPSHOTS
+    found = [
+        (int(p.name.removeprefix("step-")), p) for p in root.glob("step-*") if (p / "cost.json").is_file()
+    ]
+    return sorted(found)
