@@ -614,6 +614,15 @@ class SweepParams(NotebookParams):
     replay_ratio: float = Field(0.5, gt=0, description="Replay rows per training row of B")
     replay_limit: int = Field(400, ge=1, description="Replay prompts answered at most")
     replay_max_new_tokens: int = Field(64, ge=1, description="Tokens of each greedy base answer at most")
+    measure_with: Literal["model", "server"] = Field(
+        "model",
+        description="model: each point loaded in fp32 on the host (teacher-forced accuracy, KL to the base); "
+        "server: the trained runs measured together through one vLLM server of the base with every adapter as "
+        "a LoRA (generated answers; no KL), and the replay answers made by that server (R1)",
+    )
+    serve: dict[str, Any] = Field(
+        {}, description="Notebook 10 parameters of that server (parallelism, max_model_len, max_new_tokens…)"
+    )
     match_fractions: list[float] = Field(
         [0.5, 0.75, 0.9],
         description="B gains at which methods are matched, as fractions of the largest mean B gain any reaches",
@@ -624,6 +633,19 @@ class SweepParams(NotebookParams):
     def _fractions(cls, value: list[float]) -> list[float]:
         if not value or any(not 0 < v <= 1 for v in value):
             raise ValueError("give fractions in (0, 1]")
+        return value
+
+    @field_validator("serve")
+    @classmethod
+    def _serve_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        mine = ("model", "system_prompt", "run_dir")
+        unknown = [k for k in value if k not in InferenceParams.keys() or k in mine]
+        if unknown:
+            raise ValueError(
+                f"{unknown} cannot be set for the sweep's server; valid: "
+                f"{', '.join(k for k in InferenceParams.keys() if k not in mine)}"
+            )
+        InferenceParams(**value)
         return value
 
     @field_validator("small_adapter")

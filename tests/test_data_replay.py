@@ -47,7 +47,8 @@ def test_replay_answers_are_the_base_own_made_once_and_never_a_held_out_question
         calls.append(1)
         return base
 
-    rows = replay.replay_rows(tmp_path / "replay", spec, load_base)
+    answer = replay.hf_answerer(load_base, spec.system_prompt, spec.max_new_tokens)
+    rows = replay.replay_rows(tmp_path / "replay", spec, answer)
     meta = json.loads((tmp_path / "replay" / replay.META).read_text())
     assert meta["held_out_dropped"] == 4 and meta["prompts_used"] == 6
     assert rows and not {r["question"] for r in rows} & banned
@@ -60,7 +61,7 @@ def test_replay_answers_are_the_base_own_made_once_and_never_a_held_out_question
     firsts = sum(r["answer"] == r["question"].splitlines()[1] for r in rows)
     assert firsts >= len(rows) - 1
     # made once: a second call reads them back without loading the base
-    again = replay.replay_rows(tmp_path / "replay", spec, lambda: pytest.fail("the base was loaded again"))
+    again = replay.replay_rows(tmp_path / "replay", spec, lambda rows: pytest.fail("the base answered again"))
     assert again == rows and calls == [1]
 
 
@@ -76,7 +77,7 @@ def test_replay_answers_of_another_base_are_refused_with_what_differs(tmp_path):
     want = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.__dict__.items()}
     (folder / replay.META).write_text(json.dumps({"spec": {**want, "base": "tiny 1111111111111111"}}))
     with pytest.raises(replay.ReplayMismatch, match=r"base: 'tiny 1111111111111111' there, 'tiny 0{16}' now"):
-        replay.replay_rows(folder, spec, lambda: pytest.fail("must not load a base"))
+        replay.replay_rows(folder, spec, lambda rows: pytest.fail("must not ask the base"))
 
 
 def test_the_base_fingerprint_follows_the_base_files(tmp_path):

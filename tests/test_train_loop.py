@@ -263,3 +263,27 @@ def test_hari_trains_on_the_nf4_experts_model(tmp_path):
     assert info["model"]["quantize_experts"] and info["model"]["memory_gib"] > 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_snapshots_keep_the_adapter_along_training_without_changing_the_run(tmp_path, full_run):
+    """Early stopping traced (notebook 40): snapshots at the listed steps and every N, each with its cost; the
+    run's own adapter is bit-identical to the same run without snapshots."""
+    from safetensors.torch import load_file
+
+    proc = _train(tmp_path, "-p", "snapshot_every", "6", "-p", "snapshot_steps", "[2]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert snaps == ["step-0000002", "step-0000006"]  # step 12 is the end: the run's adapter
+    costs = [json.loads((tmp_path / "snapshots" / s / "cost.json").read_text()) for s in snaps]
+    assert [c["step"] for c in costs] == [2, 6] and all(c["total_steps"] == 12 for c in costs)
+    assert 0 < costs[0]["tokens"] < costs[1]["tokens"] and 0 < costs[0]["train_s"] <= costs[1]["train_s"]
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["tokens"] > costs[1]["tokens"] and info["train_s"] > 0
+
+    def weights(folder: Path) -> dict:
+        return load_file(folder / "adapter_model.safetensors")
+
+    end, plain = weights(tmp_path / "adapter"), weights(full_run[0] / "adapter")
+    assert end.keys() == plain.keys() and all((end[k] == plain[k]).all() for k in end)
+    early = weights(tmp_path / "snapshots" / "step-0000002")
+    assert any(not (early[k] == end[k]).all() for k in end)

@@ -37,6 +37,7 @@ class ReplaySpec:
     system_prompt: str
     max_new_tokens: int
     limit: int  # prompts at most
+    made_with: str = "model"  # model: transformers on the host; server: the base served by vLLM
 
 
 def held_out_questions(files: tuple[str, ...]) -> set[str]:
@@ -54,6 +55,16 @@ def parse_turn(text: str) -> dict[str, str] | None:
     if m.group("cot") is not None:
         out["cot"] = m.group("cot")
     return out
+
+
+def hf_answerer(load_base, system_prompt: str, max_new_tokens: int):
+    """Answers by greedy decoding with transformers; ``load_base()`` → (model, tokenizer), called once."""
+
+    def answer(rows: list[dict[str, Any]]) -> list[str]:
+        model, tokenizer = load_base()
+        return [text for _, text in generate_answers(model, tokenizer, rows, system_prompt, max_new_tokens)]
+
+    return answer
 
 
 def generate_answers(model, tokenizer, rows: list[dict[str, Any]], system_prompt: str, max_new_tokens: int):
@@ -86,16 +97,25 @@ def _read(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     return json.loads(meta.read_text()), [json.loads(x) for x in answers.read_text().splitlines() if x]
 
 
-def replay_rows(folder: str | Path, spec: ReplaySpec, load_base) -> list[dict[str, Any]]:
+def replay_rows(folder: str | Path, spec: ReplaySpec, answer) -> list[dict[str, Any]]:
     """The base's answers for the replay, made once in ``folder`` and read back after.
 
-    ``load_base()`` → (model, tokenizer), called only when the answers must be made. Answers on disk
-    from another base or other settings are refused with what differs (never silently remade: a sweep's
-    points may already have trained on them).
+    ``answer(rows)`` → the base's greedy turn (text) for each row's question (``hf_answerer``, or through a
+    server), called only when the answers must be made; tasks of a job array that arrive together make
+    them once (a file lock). Answers on disk from another base or other settings are refused with what
+    differs (never silently remade: a sweep's points may already have trained on them).
     """
-    from .plan import load_rows
+    from filelock import FileLock
 
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / ".lock")):
+        return _replay_rows(folder, spec, answer)
+
+
+def _replay_rows(folder: Path, spec: ReplaySpec, answer) -> list[dict[str, Any]]:
+    from .plan import load_rows
+
     saved = _read(folder)
     want = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
     if saved is not None:
@@ -120,23 +140,20 @@ def replay_rows(folder: str | Path, spec: ReplaySpec, load_base) -> list[dict[st
         prompts.append({"question": row.get("question", q), **{k: row[k] for k in ("choices",) if k in row}})
         if len(prompts) >= spec.limit:
             break
-    model, tokenizer = load_base()
     rows, malformed = [], 0
-    for i, (row, text) in enumerate(
-        generate_answers(model, tokenizer, prompts, spec.system_prompt, spec.max_new_tokens)
-    ):
+    texts = answer(prompts)
+    for i, (row, text) in enumerate(zip(prompts, texts, strict=True)):
         turn = parse_turn(text)
         replayed = {**row, **turn} if turn else None
         if replayed is None or assistant_text(replayed) != text.strip():
             malformed += 1  # not in the kit's answer format: training would render something else
             continue
         rows.append({"id": f"replay-{i:05d}", **replayed, "category": "replay"})
-    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{ANSWERS}.{os.getpid()}"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(folder / ANSWERS)
     meta = {"spec": want, "prompts_used": len(prompts), "held_out_dropped": dropped, "malformed": malformed}
-    tmp = folder / f".{META}.{os.getpid()}"  # job array tasks may make them at once: the same answers
+    tmp = folder / f".{META}.{os.getpid()}"
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(folder / META)
     return rows

