@@ -623,6 +623,11 @@ class SweepParams(NotebookParams):
     serve: dict[str, Any] = Field(
         {}, description="Notebook 10 parameters of that server (parallelism, max_model_len, max_new_tokens…)"
     )
+    serve_host: str = Field(
+        "127.0.0.1",
+        description="Address that server binds to and is called at (the sweep's Slurm jobs pass the first "
+        "node's IP)",
+    )
     match_fractions: list[float] = Field(
         [0.5, 0.75, 0.9],
         description="B gains at which methods are matched, as fractions of the largest mean B gain any reaches",
@@ -638,7 +643,7 @@ class SweepParams(NotebookParams):
     @field_validator("serve")
     @classmethod
     def _serve_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
-        mine = ("model", "system_prompt", "run_dir")
+        mine = ("model", "system_prompt", "run_dir", "host")  # host: serve_host
         unknown = [k for k in value if k not in InferenceParams.keys() or k in mine]
         if unknown:
             raise ValueError(

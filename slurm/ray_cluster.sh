@@ -72,14 +72,19 @@ case "$role" in
     # --block: under srun the step must live as long as the worker, or Slurm reaps its processes.
     # A worker whose raylet does not register with the head in time (Ray waits a fixed 30 s; seen on
     # loaded hosts) exits at once: stop what it left under its temp dir and start it again, up to
-    # DSR1KIT_RAY_WORKER_TRIES times. One that ran past the start-up window ended for another reason
-    # (stopped by `down`, or lost): it is not restarted.
+    # DSR1KIT_RAY_WORKER_TRIES times. One that had started ("Ray runtime started") ended for another
+    # reason (stopped by `down`, however soon after its start, or lost): it is not restarted.
     tries=${DSR1KIT_RAY_WORKER_TRIES:-3}
     for ((try = 1; ; try++)); do
-      started=$SECONDS
-      ray start --address="$head" --node-ip-address="$ip" --block "${common[@]}" "$@" && exit 0
-      rc=$?
-      if (( SECONDS - started > ${DSR1KIT_RAY_WORKER_STARTUP_S:-120} || try >= tries )); then
+      up=0 rc=1
+      while IFS= read -r line; do  # Ray's output passes through; its exit code comes last
+        if [[ $line == __ray_start_rc=* ]]; then rc=${line#__ray_start_rc=}; continue; fi
+        printf '%s\n' "$line"
+        if [[ $line == *"Ray runtime started"* ]]; then up=1; fi
+      done < <(ray start --address="$head" --node-ip-address="$ip" --block "${common[@]}" "$@" 2>&1 &&
+                 echo "__ray_start_rc=0" || echo "__ray_start_rc=$?")  # (errexit holds in here too)
+      if [ "$rc" = 0 ]; then exit 0; fi
+      if (( up || try >= tries )); then
         exit "$rc"
       fi
       echo "warning: the Ray worker on $ip did not start (rc=$rc, try $try of $tries): stopping its" \

@@ -158,6 +158,14 @@ def test_a_worker_that_fails_to_register_is_started_again(tmp_path):
     assert "did not start (rc=1, try 1 of 3)" in proc.stderr
 
 
+def test_a_worker_stopped_soon_after_it_started_is_not_started_again(tmp_path):
+    """`down` stops the workers; a job that serves for less than a minute or two must not see them restart."""
+    proc = _worker(tmp_path, _fake_ray(tmp_path, 'echo "Ray runtime started."; exit 1'))
+    assert proc.returncode == 1
+    assert len((tmp_path / "calls").read_text().splitlines()) == 1
+    assert "did not start" not in proc.stderr and "Ray runtime started." in proc.stdout
+
+
 def test_a_worker_that_never_starts_gives_up_with_rays_exit_code(tmp_path):
     env = {**_fake_ray(tmp_path, "exit 3"), "DSR1KIT_RAY_WORKER_TRIES": "2"}
     proc = _worker(tmp_path, env)

@@ -107,3 +107,18 @@ def test_parse_turn_reads_the_kit_format_only():
         "cot": "first",
     }
     assert replay.parse_turn("plum") is None
+    # a served model's spacing around the tags (R1 after its reasoning was put back) reads the same
+    assert replay.parse_turn("<think>\nfirst \n</think>\n\n<answer>plum</answer>\n") == {
+        "answer": "plum",
+        "cot": "first",
+    }
+    assert replay.parse_turn("<answer>plum</answer> and more") is None  # nothing outside the tags
+    assert replay.parse_turn("Sure. <answer>plum</answer>") is None
+
+
+def test_a_served_turn_keeps_the_reasoning_its_parser_split_off():
+    from dsr1kit.measure.served import whole_turn
+
+    row = {"id": "replay-00000", "text": "\n\n<answer>\nplum\n</answer>", "reasoning": "first\n"}
+    assert replay.parse_turn(whole_turn(row)) == {"answer": "plum", "cot": "first"}
+    assert whole_turn({"id": "x", "text": "<answer>\nplum\n</answer>"}) == "<answer>\nplum\n</answer>"

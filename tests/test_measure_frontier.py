@@ -139,3 +139,15 @@ def test_hari_is_set_against_each_method_at_each_gain():
     assert said["hari"] == ""
     lines = comparison_verdict([level]).lines
     assert any(line.startswith("  HARI vs plain SFT, early-stopped: HARI keeps more") for line in lines)
+
+
+def test_no_gain_on_b_is_a_failed_comparison_not_a_tie():
+    """Every method at or below the base on B (a model that learned nothing): no gain to match A at."""
+    results = [
+        point(m, s, g, 0.9, lam)
+        for m, lam in (("hari", 0.9), ("replay", 0.0))
+        for s in (0, 1)
+        for g in (0.0, -0.1)
+    ]
+    verdict = comparison_verdict(matched_gains(results, [0.5, 0.9]))
+    assert verdict.status == "warn" and "no method gained on B" in verdict.headline

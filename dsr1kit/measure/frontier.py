@@ -180,6 +180,14 @@ def comparison_verdict(levels: list[MatchedGain]) -> Verdict:
             "the comparison needs HARI (some λ > 0) and at least one other method",
             [f"methods present: {', '.join(sorted(methods)) or 'none'}"],
         )
+    if levels[0].gain <= 0:  # the reference gain is not positive: nothing was learned to match at (a warning:
+        # every point is measured and reported; the sweep is not broken, its runs learned nothing)
+        return Verdict(
+            WARN,
+            "no method gained on B (the largest mean B gain is not above 0): there is no learning to match "
+            "forgetting at; train longer, or check task B's data and its evaluation",
+            [f"B gain {lv.gain:.3f} ({lv.fraction:.0%} of the reference)" for lv in levels],
+        )
     lines = []
     for lv in levels:
         lines.append(f"B gain {lv.gain:.3f} ({lv.fraction:.0%} of the reference): {lv.text}")

@@ -46,7 +46,8 @@ def served_turns(
     out_path: str | Path,
     client: ClientConfig,
 ) -> list[str]:
-    """The served model's greedy turn (text) for each row's question, in order (the replay's answers)."""
+    """The served model's greedy turn (text) for each row's question, in order (the replay's answers). A
+    reasoning the server's parser split off (R1) is put back in front, as the model wrote it."""
     from ..data.chat import to_messages
     from ..data.render import served_prompt
 
@@ -57,4 +58,12 @@ def served_turns(
         prompts.append(Prompt(f"replay-{i:05d}", ids, "", "replay", messages=messages))
     run_eval(base_url, served_name, prompts, out_path, client, progress=False)
     answers = read_answers(out_path)
-    return [answers.get(p.id, {}).get("text", "") for p in prompts]
+    return [whole_turn(answers.get(p.id, {})) for p in prompts]
+
+
+def whole_turn(row: dict[str, Any]) -> str:
+    """An answer row's turn with its reasoning: the parser's ``reasoning`` in ``<think>`` before the content."""
+    text = row.get("text", "")
+    if row.get("reasoning"):
+        return f"<think>\n{row['reasoning'].strip()}\n</think>\n{text.strip()}"
+    return text

@@ -183,6 +183,13 @@ def replay_mix(p, run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def replay_first(p, run_dir: str | Path) -> bool:
+    """Must the served base make the replay answers in a job of its own, before the points train? With
+    ``measure_with: server`` and a replay baseline, until the mix is made: a base served across nodes
+    (R1 on 2 x 8 GPUs) cannot be served inside a one-node array task."""
+    return p.measure_with == "server" and "replay" in p.baselines and not mix_path(p, run_dir).is_file()
+
+
 def eval_rows(p) -> tuple[list[dict], list[dict]]:
     from ..data.plan import load_rows
 
@@ -355,7 +362,13 @@ def serve_params(p, run_dir: str | Path):
 
     return load(
         "10_vllm_inference",
-        overrides={**p.serve, "model": p.model, "system_prompt": p.system_prompt, "run_dir": str(run_dir)},
+        overrides={
+            **p.serve,
+            "model": p.model,
+            "system_prompt": p.system_prompt,
+            "run_dir": str(run_dir),
+            "host": p.serve_host,
+        },
     )
 
 
