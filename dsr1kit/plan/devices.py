@@ -19,7 +19,10 @@ from .inventory import FP8_BLOCK_BYTES, Inventory, bytes_per_param, served_bytes
 
 GIB = 2**30
 H100_BYTES = 79.6 * GIB  # an H100-80GB as torch reports it: the GPU size advice assumes without one
-CUDA_RUNTIME = 1.0 * GIB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's count
+# cuBLAS and cuBLASLt keep a workspace each (32 MiB on Hopper) that torch allocates, and counts, in its own
+# allocator from the first GEMM on; measured: 0.064 GiB above the weights once a GEMM has run (bench/plan_r1.py)
+CUBLAS_WORKSPACES = 64 * 2**20
+CUDA_RUNTIME = 1.0 * GIB - CUBLAS_WORKSPACES  # CUDA context, NCCL buffers: outside torch's count
 HOST_RUNTIME = 1.5 * GIB  # python + torch + transformers (+ CUDA libraries) in the host process
 VLLM_HOST_RUNTIME = 3.0 * GIB  # api server, engine core and worker processes on a CPU
 LOSS_FP32_TEMPS = 6  # fp32 [chunk, V] alive at once in chunk_terms_and_grad (z, grad, log_q, log_p, q, p−q)
@@ -67,25 +70,59 @@ def _attention_per_token(c) -> int:
     return 3 * heads * head_dim + 4 * kv * head_dim + 3 * h
 
 
+def _routed_per_token(c, nf4_experts: bool, saved: bool) -> int:
+    """The routed experts, in 2-byte units per token: held until backward (``saved``), else the forward's peak.
+
+    bf16 (transformers' grouped_mm forward): per (token, k) row, the forward peaks while it reorders the
+    routing-weighted rows, which the fp32 routing weights (``keep_routing_fp32``) make fp32: the gathered
+    input and the down projection's output (bf16, h each) and the weighted rows and their reordered copy
+    (fp32, 2h each) are alive at once: 6h. Autograd keeps gate/up's output (2i), the activation (i), the
+    product (i) and the down output (h, for the routing weights' gradient). NF4 (``NF4Experts``): the forward
+    writes fp32 rows per (token, k) and each chunk's gate/up/down rows (h + 3i); the backward recomputes the
+    experts, so only the layer's input (h) is kept.
+    """
+    h, k, inter = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size
+    if nf4_experts:
+        return h if saved else k * (h + 3 * inter)
+    return k * (h + 4 * inter) if saved else k * 6 * h
+
+
 def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool) -> int:
     h = c.hidden_size
     if not moe:
         return 3 * c.intermediate_size + h
-    k, inter = c.num_experts_per_tok, c.moe_intermediate_size
+    inter = c.moe_intermediate_size
     shared = 3 * (getattr(c, "n_shared_experts", 0) or 0) * inter
     router = 2 * c.n_routed_experts * 2  # fp32 logits and scores, counted in 2-byte units
-    routed = k * h if (saved and nf4_experts) else k * (h + 3 * inter)  # NF4 backward recomputes the experts
-    return routed + shared + router + h
+    return _routed_per_token(c, nf4_experts, saved) + shared + router + h
 
 
 def _is_moe(c, layer: int) -> bool:
     return bool(getattr(c, "n_routed_experts", 0)) and layer >= (getattr(c, "first_k_dense_replace", 0) or 0)
 
 
+# hidden states a frozen layer's forward holds besides its own intermediates, per token (measured at the MoE's
+# entry, bench/plan_r1.py): the embedding output (the model's forward keeps it), the layer's input, the
+# residual sum after attention and the normed input of the MLP
+HELD_STATES = 4
+
+
 def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
-    """Peak of one layer's forward under no_grad: attention or MLP intermediates, plus the residual."""
+    """Peak of one layer's forward under no_grad: attention or MLP intermediates, plus the states it holds."""
     inner = max(_attention_per_token(c), _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False))
-    return tokens * act * (inner + 2 * c.hidden_size)
+    return tokens * act * (inner + HELD_STATES * c.hidden_size)
+
+
+def adapted_layer_transient_bytes(
+    c, layer: int, tokens: int, act: int, nf4_experts: bool
+) -> tuple[float, float]:
+    """An adapted layer's peak on top of what autograd keeps (``layer_saved_bytes``, which holds its input and
+    output too), as (dequantized experts, activations): the reference forward (no_grad, adapters off) and the
+    backward run the attention or the MLP at a time, and NF4 experts are dequantized only while the MLP runs."""
+    attention = tokens * act * _attention_per_token(c)
+    mlp = tokens * act * _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False)
+    dequant = dequant_bytes(c, nf4_experts, act) if _is_moe(c, layer) else 0.0
+    return (dequant, mlp) if mlp + dequant >= attention else (0.0, attention)
 
 
 def fp8_moe_forward_bytes(c, tokens: int, act: int) -> float:
@@ -180,19 +217,25 @@ def training_devices(
     where = unit_devices(inv, n_gpus, scheme) if on_gpu else {u: 0 for u in inv.units}
     slots = max(n_gpus, 1)
     dev_weights, dequant, act_peak = [0.0] * slots, [0.0] * slots, [0.0] * slots
+    adapted_peak = [(0.0, 0.0)] * slots  # (dequantized experts, activations) of the adapted layers' transient
     for unit, d in where.items():
         dev_weights[d] += weights[unit]
         if unit.startswith("model.layers."):
             i = int(unit.rsplit(".", 1)[1])
             moe = _is_moe(c, i)
+            if train and i in adapted:
+                # the reference forward and the backward run through it while the saved activations are held
+                deq, fwd = adapted_layer_transient_bytes(c, i, tokens, act, nf4_experts)
+                if deq + linear_dequant + fwd > sum(adapted_peak[d]):
+                    adapted_peak[d] = (deq + linear_dequant, fwd)
+                continue
             dequant[d] = max(
                 dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant
             )
-            if not (train and i in adapted):
-                forward = layer_forward_bytes(c, i, tokens, act, nf4_experts)
-                if work.fp8 and moe:
-                    forward = max(forward, fp8_moe_forward_bytes(c, tokens, act))
-                act_peak[d] = max(act_peak[d], forward)
+            forward = layer_forward_bytes(c, i, tokens, act, nf4_experts)
+            if work.fp8 and moe:
+                forward = max(forward, fp8_moe_forward_bytes(c, tokens, act))
+            act_peak[d] = max(act_peak[d], forward)
     last = where.get("lm_head", where[inv.layers[-1]])
     saved = 0.0
     if train:
@@ -204,9 +247,11 @@ def training_devices(
     devices = []
     for d in range(slots):
         # the peak is one phase: a layer's forward/backward (dequantized experts + its transient) or the loss
+        # the frozen layers' forward or the adapted layers' reference forward / backward, whichever is larger
+        deq, fwd = max((dequant[d], act_peak[d]), adapted_peak[d], key=sum)
         layer_phase = {
-            "dequant (transient)": dequant[d],
-            "activations": act_peak[d] + (saved if d == last else 0),
+            "dequant (transient)": deq,
+            "activations": fwd + (saved if d == last else 0),
         }
         loss_phase = {"activations": saved, "loss / logits": loss} if d == last else {}
         phase, parts = (
@@ -218,6 +263,7 @@ def training_devices(
         if d == last and train:
             parts["LoRA + optimizer"] = lora_params * LORA_BYTES_PER_PARAM
         if on_gpu:
+            parts["cuBLAS workspaces"] = CUBLAS_WORKSPACES
             parts["runtime"] = CUDA_RUNTIME
             devices.append(Device(f"gpu {d}", parts, gpu_bytes, phase))
         else:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 
 KNOWN_CONFIGS = {  # repo id -> config file shipped beside this module (same architecture, same config)
@@ -127,7 +128,9 @@ def inventory(config) -> Inventory:
 
     from ..model.experts_nf4 import is_fused_experts
 
-    with init_empty_weights():
+    # meta as the default device too: a fused-experts parameter is made with torch.empty before accelerate
+    # moves it, which at R1 widths in fp32 (no dtype in a bench config) asks the host for 30 GB per layer
+    with init_empty_weights(), torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     inv = Inventory(config)
     kind_of: dict[str, str] = {}

@@ -128,6 +128,7 @@ def _column_order(name: str) -> int:
         "weights in transit",
         "CUDA graphs",
         "KV cache",
+        "cuBLAS workspaces",
         "runtime",
     ]
     return order.index(name) if name in order else len(order)
