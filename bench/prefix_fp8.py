@@ -10,8 +10,12 @@ linears and routed experts are quantized as R1 ships them (e4m3, 128×128
 block scales), and the same layer is run three ways, forward only under
 no_grad as the prefix pass runs it:
 
-- **fp8**: ``FP8Linear`` / ``FP8Experts``, the kit's block-scaled e4m3 GEMMs
+- **fp8**: ``FP8Linear`` / ``FP8Experts`` as the prefix pass runs them: the
+  dense linears through torch's block-scaled ``scaled_mm`` where it takes the
+  shape, the routed experts through the kit's grouped Triton GEMM
   (activations quantized per token and 128-column group);
+- **fp8-triton**: the same modules with every GEMM on the kit's Triton kernels
+  (the path before torch's GEMM was taken);
 - **nf4**: today's prefix pass, NF4 experts (``NF4Experts``) and bitsandbytes
   NF4 linears, from the bf16 weights below;
 - **bf16**: the reference, every FP8 weight dequantized to bf16 (what the
@@ -30,6 +34,7 @@ checked against their float32 emulation (``reference_linear``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -42,6 +47,19 @@ from dsr1kit.model import fp8_compute
 from dsr1kit.model.experts_nf4 import NF4Experts
 from dsr1kit.model.fp8 import dequantize_fp8_blocks
 from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
+
+
+@contextlib.contextmanager
+def fp8_route(dense: str = "auto"):
+    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``)."""
+    from dsr1kit.model import fp8_kernels
+
+    before = fp8_kernels.dense_route
+    fp8_kernels.set_dense_route(dense)
+    try:
+        yield
+    finally:
+        fp8_kernels.set_dense_route(before)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,7 +126,8 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
     if kind == "moe":
         nf4_layer.mlp.experts = NF4Experts.from_experts(nf4_layer.mlp.experts)
     quantize_linears_(nf4_layer, device)
-    variants = {"bf16": layer, "nf4": nf4_layer, "fp8": fp8_layer}
+    variants = {"bf16": layer, "nf4": nf4_layer, "fp8": fp8_layer, "fp8-triton": fp8_layer}
+    routes = {"fp8-triton": dict(dense="triton")}
     captured = {}
 
     def capture(part):
@@ -130,7 +149,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
             ]
             free(device)
             reset_peak(device)
-            with torch.no_grad():
+            with torch.no_grad(), fp8_route(**routes.get(name, {})):
                 model.model(inputs_embeds=hidden)
                 outputs[name] = dict(captured)
                 for h in hooks:
@@ -151,7 +170,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
                 }
             )
         ref = outputs["bf16"]
-        for row in rows[-3:]:
+        for row in rows[-len(variants) :]:
             mine = outputs[row["path"]]
             row["hidden_error_vs_bf16"] = round(rel(mine["layer"], ref["layer"]), 5)
             row["sublayer_error_vs_bf16"] = round(
@@ -250,6 +269,10 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
     quantization included, and alone) beside torch's bf16 matmul, as TFLOP/s."""
     from dsr1kit.model import fp8_kernels
 
+    def triton_linear(x, q, s):
+        with fp8_route("triton"):
+            return fp8_kernels.linear(x, q, s)
+
     tokens = 64 if args.tiny else 16384
     shapes = [(7168, 18432), (18432, 7168), (7168, 1536), (16384, 7168)] if not args.tiny else [(128, 256)]
     rows = []
@@ -276,7 +299,11 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
         for what, fn in (
             ("torch scaled_mm blockwise incl. activation quant", blockwise),
             ("bf16 torch.mm", lambda x=x, w=w: x @ w.T),
-            ("fp8 kernel incl. activation quant", lambda x=x, q=q, s=s: fp8_kernels.linear(x, q, s)),
+            ("fp8 kernel incl. activation quant", lambda x=x, q=q, s=s: triton_linear(x, q, s)),
+            (
+                "kit's linear (auto route) incl. activation quant",
+                lambda x=x, q=q, s=s: fp8_kernels.linear(x, q, s),
+            ),
             ("activation quant alone", lambda x=x: fp8_kernels.quantize(x)),
         ):
             if isinstance(fn, str):
@@ -407,6 +434,7 @@ def main() -> None:
             summary[f"{kind} {batch}x{seq}"] = {
                 "fp8_over_nf4": round(by["nf4"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_bf16": round(by["bf16"]["ms"] / by["fp8"]["ms"], 2),
+                "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
             }
     print(json.dumps(summary, indent=1))
     meta = {

@@ -1,26 +1,34 @@
 """The kit's Triton kernels for block-scaled FP8 GEMMs (DeepSeek's e4m3 weights, 128×128 scales).
 
-Why our own: torch's ``_scaled_mm`` (2.11) takes row-wise scales but refuses
-128×128 weight blocks, and the maintained block-scaled kernels (vLLM's,
-DeepGEMM, sgl-kernel) come inside packages built against one torch and CUDA,
-that a training environment would have to match. Triton ships with torch.
+Why our own: the maintained block-scaled kernels (vLLM's, DeepGEMM,
+sgl-kernel) come inside packages built against one torch and CUDA, that a
+training environment would have to match; Triton ships with torch. Where
+torch's own ``scaled_mm`` takes 1×128 activation and 128×128 weight blocks
+(cuBLAS, about 1.8× this kernel on Hopper at the dense shapes, measured in
+``docs/benchmarks.md``), the dense linears take it (``dense_route``); it
+refuses the per-expert shapes, so the experts stay on the grouped kernel.
 
 Three kernels, all forward only:
 
 - ``_quant`` quantizes activations per row and 128-column group (absmax/448);
 - ``_gemm`` multiplies e4m3 activations [M, K] by e4m3 weights [E, N, K] with
   float32 accumulation, applying the activation scale per row and the weight
-  scale per 128-column block at each 128-wide step of K. Grouped mode runs all
+  scale per 128-column block at each 128-wide step of K (one scalar per step
+  when the column tile is the 128-wide block). Grouped mode runs all
   experts in one launch: rows are sorted by expert and each expert's segment
   is padded to the row tile, so a tile belongs to one expert (``block_expert``);
   the first GEMM gathers its rows from the tokens, the second scatters each
   row, times its routing weight, to its (token, k) slot;
 - ``_silu_mul_quant`` fuses SiLU(gate)·up with the quantization of the result.
 
-Every index and routing step is built on the GPU, without a host sync.
+Every index and routing step is built on the GPU, without a host sync. Under
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors with one fixed
+tile configuration (the CPU tests of their indexing).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -31,7 +39,10 @@ from .fp8 import FP8_DTYPE, FP8_MAX
 
 GROUP = 128
 EPS = 1e-10
-BLOCK_M_GROUPED = 64  # row tile of the grouped GEMMs: each expert's rows are padded to a multiple of it
+# row tile of the grouped GEMMs: each expert's rows are padded to a multiple of it (128 ran no faster at R1's
+# widths with 512 rows per expert, docs/benchmarks.md)
+BLOCK_M_GROUPED = 64
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -75,7 +86,15 @@ def _configs(block_m: tuple[int, ...]):
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=st)
         for bm in block_m
-        for bn, w, st in ((128, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (256, 8, 4), (64, 4, 4))
+        for bn, w, st in (
+            (128, 4, 3),
+            (128, 8, 3),
+            (128, 4, 4),
+            (128, 8, 4),
+            (256, 8, 3),
+            (256, 8, 4),
+            (64, 4, 4),
+        )
     ]
 
 
@@ -140,6 +159,7 @@ def _gemm(
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = AS + a_row.to(tl.int64) * stride_asm
     bs_ptrs = bs_base + (offs_n // BLOCK_K) * stride_bsn
+    bs_tile = bs_base + pid_n * stride_bsn  # a 128-wide column tile is one weight block: one scale per step
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -147,8 +167,11 @@ def _gemm(
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + k, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + k, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if BLOCK_N == BLOCK_K:
+            acc += tl.dot(a, b) * (a_s * tl.load(bs_tile + k))[:, None]
+        else:
+            b_s = tl.load(bs_ptrs + k, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -163,8 +186,13 @@ def _gemm(
 
 
 # dense rows take any tile height; grouped rows come padded per expert to BLOCK_M_GROUPED
-_gemm_dense = triton.autotune(configs=_configs((64, 128)), key=["N", "K"])(_gemm)
-_gemm_grouped = triton.autotune(configs=_configs((BLOCK_M_GROUPED,)), key=["N", "K", "GROUPED"])(_gemm)
+if INTERPRETING:  # no autotuner without a GPU driver
+    _INTERPRETED = {"BLOCK_N": 128, "GROUP_M": 8}
+    _gemm_dense = _gemm
+    _gemm_grouped = _gemm
+else:
+    _gemm_dense = triton.autotune(configs=_configs((64, 128)), key=["N", "K"])(_gemm)
+    _gemm_grouped = triton.autotune(configs=_configs((BLOCK_M_GROUPED,)), key=["N", "K", "GROUPED"])(_gemm)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +212,52 @@ def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
         raise ValueError("the FP8 GEMM needs contiguous e4m3 weights and float32 scales")
 
 
+DENSE_ROUTES = ("auto", "torch", "triton")
+dense_route = "auto"  # auto: torch's block-scaled scaled_mm where it takes the shape, else the kit's kernel
+_torch_variant: dict[
+    tuple, object
+] = {}  # (device, N, K, M aligned) -> the scaled_mm layout that ran, or None
+
+
+def set_dense_route(route: str) -> None:
+    """Which GEMM the dense FP8 linears take (benchmarks compare them side by side)."""
+    global dense_route
+    if route not in DENSE_ROUTES:
+        raise ValueError(f"dense_route {route!r}: valid are {', '.join(DENSE_ROUTES)}")
+    dense_route = route
+
+
+def _torch_blockwise(q, s, weight, scale_inv, out_dtype):
+    """torch's block-scaled FP8 GEMM (cuBLAS) on quantized rows, or None where this torch or shape refuses it.
+
+    The scale layouts cuBLAS takes have moved between releases; the first that runs is kept per shape."""
+    import torch.nn.functional as F
+
+    kinds = getattr(F, "ScalingType", None)
+    if kinds is None or not hasattr(F, "scaled_mm"):
+        return None
+    a_kind = getattr(kinds, "BlockWise1x128", None) or getattr(kinds, "Blockwise_1x128", None)
+    b_kind = getattr(kinds, "BlockWise128x128", None) or getattr(kinds, "Blockwise_128x128", None)
+    if a_kind is None or b_kind is None:
+        return None
+    key = (q.device, weight.shape[0], weight.shape[1], q.shape[0] % 16 == 0)
+    known = _torch_variant.get(key, ...)
+    if known is None:
+        return None
+    layouts = [known] if known is not ... else [(True, True), (True, False), (False, True), (False, False)]
+    for a_outer, b_view in layouts:
+        a_scale = s.t().contiguous().t() if a_outer else s  # outer-dim-major: (M, K/128) with strides (1, M)
+        b_scale = scale_inv.t() if b_view else scale_inv.t().contiguous()
+        try:
+            out = F.scaled_mm(q, weight.t(), a_scale, a_kind, b_scale, b_kind, output_dtype=out_dtype)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            continue
+        _torch_variant[key] = (a_outer, b_view)
+        return out
+    _torch_variant[key] = None
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight`` [N, K] with ``scale_inv`` [ceil(N/128), ceil(K/128)]; x's dtype out."""
     _check_weight(weight, scale_inv)
@@ -193,6 +267,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> to
         rows = rows.contiguous()
     q, s = quantize(rows)
     n = weight.shape[0]
+    if dense_route != "triton" and rows.is_cuda and k % GROUP == 0:  # cuBLAS takes whole 128-blocks of K only
+        out = _torch_blockwise(q, s, weight, scale_inv, x.dtype)
+        if out is not None:
+            return out.view(*x.shape[:-1], n)
+        if dense_route == "torch":
+            raise RuntimeError(f"torch's block-scaled scaled_mm refused {rows.shape[0]}x{k} @ {k}x{n}")
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     _launch(q, s, weight[None], scale_inv[None], out, rows.shape[0], n, k, grouped=0)
     return out.view(*x.shape[:-1], n)
@@ -200,8 +280,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> to
 
 def _launch(a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, route_w=None, top_k=1):
     dummy = a_s  # unused pointers in dense mode
+    kernel = _gemm_grouped if grouped else _gemm_dense
+    fixed = {**_INTERPRETED, "BLOCK_M": BLOCK_M_GROUPED} if INTERPRETING else {}
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    (_gemm_grouped if grouped else _gemm_dense)[grid](
+    kernel[grid](
         a,
         a_s,
         b,
@@ -223,6 +305,7 @@ def _launch(a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, r
         GROUPED=grouped,
         TOP_K=top_k,
         BLOCK_K=GROUP,
+        **fixed,
     )
 
 
@@ -298,4 +381,4 @@ def experts(
     return slots.view(tokens, top_k, h).sum(1)
 
 
-__all__ = ["EPS", "FP8_MAX", "available", "experts", "linear", "quantize"]
+__all__ = ["EPS", "FP8_MAX", "available", "experts", "linear", "quantize", "set_dense_route"]
