@@ -1,6 +1,7 @@
 """Where the cached HARI step's time goes at R1 widths: the CUDA kernels of one step, largest first.
 
     python -m bench.cached_step_profile --out cached_profile.json            # one H200 (~1 min)
+    python -m bench.cached_step_profile --experts nf4 --out cached_profile.nf4.json
     python -m bench.cached_step_profile --device cpu --tiny --out /tmp/c.json  # smoke test
 
 The step is bench.hari_cached's cached step (one R1-width MoE layer, final norm
@@ -10,12 +11,18 @@ optimizer). After warm-up, ``--iters`` steps run under torch.profiler; each
 kernel's device time per step is listed, and summed per kind (GEMMs, attention,
 the loss's work over the vocabulary, copies and elementwise, the rest), beside
 the step's wall time and the arithmetic it needs.
+
+Before the profile, the step is timed without the profiler (median of
+``--time-iters``) with the loss over the vocabulary computed each way
+(``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), the two
+alternating run by run, so their ratio comes from one run on one GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -23,6 +30,7 @@ import torch
 
 from bench.common import free, peak_gib, reset_peak, sync
 from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config
+from dsr1kit.train import vocab_loss
 
 KINDS = (
     ("gemm", ("gemm", "cutlass", "xmma", "sm90_", "nvjet", "_mm", "matmul", "gemv")),
@@ -41,6 +49,46 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def compare_loss_routes(model, batch, first: int, device, iters: int) -> dict:
+    """Median step time with the vocabulary loss as torch ops and as the fused kernel, runs alternating."""
+    if iters <= 0 or device.type != "cuda":  # the fused kernel runs on CUDA only
+        return {}
+    seq = batch["inputs_embeds"].shape[0] * batch["inputs_embeds"].shape[1]
+    times: dict[str, list[float]] = {"torch": [], "fused": []}
+    for name in ("torch", "fused"):  # warm-up, the fused kernel's compilation included
+        vocab_loss.set_route(name)
+        hari_step(model, batch, first)
+        model.zero_grad(set_to_none=True)
+    for _ in range(iters):
+        for name in times:
+            vocab_loss.set_route(name)
+            sync(device)
+            t0 = time.perf_counter()
+            hari_step(model, batch, first)
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+    grads = {}
+    for name in times:  # the LoRA gradients of one step each way: the fused kernel changes no gradient
+        vocab_loss.set_route(name)
+        hari_step(model, batch, first)
+        grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+    vocab_loss.set_route("auto")
+    out = {}
+    for name, ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        out[name] = {"ms_per_step": round(ms, 2), "tokens_per_s": round(seq / ms * 1e3, 1)}
+    out["fused_speedup"] = round(out["torch"]["ms_per_step"] / out["fused"]["ms_per_step"], 3)
+    diff = (grads["fused"] - grads["torch"]).norm() / grads["torch"].norm()
+    out["lora_grad_rel_diff"] = float(diff)
+    out["lora_grad_cosine"] = float(
+        torch.nn.functional.cosine_similarity(grads["fused"], grads["torch"], dim=0)
+    )
+    print(json.dumps({"timed_without_profiler": out}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -48,6 +96,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=0)
     ap.add_argument("--experts", default="bf16", choices=("bf16", "nf4"))
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--time-iters", type=int, default=10, help="timed steps per loss route (0: no timing)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -59,6 +108,7 @@ def main() -> None:
     for _ in range(3):
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
+    routes = compare_loss_routes(model, batch, first, device, args.time_iters)
     free(device)
     reset_peak(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -105,6 +155,7 @@ def main() -> None:
         "launches_per_step": launches,
         "peak_gib": peak_gib(device),
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "timed_without_profiler": routes,
     }
     print(json.dumps(summary, indent=1))
     for k in kernels[:30]:

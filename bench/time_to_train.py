@@ -2,6 +2,8 @@
 
     python -m bench.time_to_train --measured docs/results/hari_cached.h200.json
     python -m bench.time_to_train --measured hari_cached.json --tokens 53.7e6 --nodes 2 --gpus-per-node 8 --epochs 10
+    python -m bench.time_to_train --prefix-fp8 docs/results/prefix_fp8.h100.json \
+        --cached-step docs/results/cached_profile_fused.bf16.h100.json    # the latest kernels' rates
 
 Nothing runs on a GPU here: the rates come from ``bench.hari_cached``'s JSON
 (one H200, R1 widths) and the whole-model step from the 61-layer run on 4 H200s
@@ -44,6 +46,18 @@ def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
     return rate
 
 
+def cached_step_rate(path: Path, lines: list[str]) -> float:
+    """Tokens/s per GPU of the cached step from bench.cached_step_profile's JSON (timed without the profiler,
+    the vocabulary loss fused)."""
+    f = json.loads(path.read_text())["summary"]
+    timed = f["timed_without_profiler"]["fused"]
+    lines.append(
+        f"cached step ({f['device']}, {f['experts']} experts, fused vocabulary loss): {timed['ms_per_step']} ms "
+        f"per {f['seq']:,} tokens = {timed['tokens_per_s']:,.0f} tokens/s per GPU"
+    )
+    return timed["tokens_per_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--measured", default="docs/results/hari_cached.h200.json")
@@ -63,6 +77,11 @@ def main() -> None:
         default="",
         help="bench.prefix_fp8's JSON: the prefix pass at its FP8 per-layer times (prefix_precision fp8), "
         "in place of the NF4 ones",
+    )
+    ap.add_argument(
+        "--cached-step",
+        default="",
+        help="bench.cached_step_profile's JSON: the cached step at its timed rate, in place of --measured's",
     )
     args = ap.parse_args()
 
@@ -103,17 +122,20 @@ def main() -> None:
         f"prefix pass, one GPU at a time per node: {nodes} × {prefix_gpu:,.0f} = {serial_rate:,.0f} tokens/s; "
         f"{tokens:,.0f} / {serial_rate:,.0f} = {serial:,.0f} s"
     )
-    train_rate = gpus * cached["tokens_per_s"]
+    step_gpu = cached["tokens_per_s"]
+    if args.cached_step:
+        step_gpu = cached_step_rate(Path(args.cached_step), lines)
+    train_rate = gpus * step_gpu
     train_epoch = tokens / train_rate
     lines.append(
-        f"cached training: {gpus} GPUs × {cached['tokens_per_s']:,.0f} tokens/s = {train_rate:,.0f} tokens/s; "
+        f"cached training: {gpus} GPUs × {step_gpu:,.0f} tokens/s = {train_rate:,.0f} tokens/s; "
         f"epoch = {tokens:,.0f} / {train_rate:,.0f} = {train_epoch:,.0f} s"
     )
     size = tokens * bpt
-    read = cached["tokens_per_s"] * bpt * gpn
+    read = step_gpu * bpt * gpn
     lines.append(
         f"cache: {tokens:,.0f} tokens × {bpt:,} B = {size / 1e9:,.0f} GB; read at {gpn} × "
-        f"{cached['tokens_per_s']:,.0f} × {bpt:,} B = {read / 1e9:.1f} GB/s per node to keep the GPUs busy"
+        f"{step_gpu:,.0f} × {bpt:,} B = {read / 1e9:.1f} GB/s per node to keep the GPUs busy"
     )
     disk_epoch = max(train_epoch, size / nodes / (args.read_gbps * 1e9))
     lines.append(

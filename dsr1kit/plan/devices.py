@@ -25,7 +25,12 @@ CUBLAS_WORKSPACES = 64 * 2**20
 CUDA_RUNTIME = 1.0 * GIB - CUBLAS_WORKSPACES  # CUDA context, NCCL buffers: outside torch's count
 HOST_RUNTIME = 1.5 * GIB  # python + torch + transformers (+ CUDA libraries) in the host process
 VLLM_HOST_RUNTIME = 3.0 * GIB  # api server, engine core and worker processes on a CPU
-LOSS_FP32_TEMPS = 6  # fp32 [chunk, V] alive at once in chunk_terms_and_grad (z, grad, log_q, log_p, q, p−q)
+LOSS_FP32_TEMPS = (
+    6  # fp32 [chunk, V] alive at once in the vocab loss's torch ops (z, grad, log_q, log_p, q, p−q)
+)
+# on a GPU the fused vocab-loss kernel keeps only the logits, the reference's logits and their gradient ([chunk, V]
+# in the model's dtype each); the torch ops above run where there is no GPU
+LOSS_FUSED_TEMPS = 3
 PROBE_FP32_TEMPS = 7  # compare_on: two fp32 logits, two log-softmaxes, three elementwise temporaries
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + two fp32 Adam moments (8-bit Adam needs less)
 
@@ -241,7 +246,8 @@ def training_devices(
     if train:
         saved = sum(layer_saved_bytes(c, i, tokens, act, nf4_experts) for i in adapted)
         saved += tokens * c.hidden_size * (6 * act + 8)  # input, student, ref, gathered pair, grads (+fp32)
-        loss = min(chunk, tokens) * vocab * (4 * LOSS_FP32_TEMPS + 2 * act)
+        per_logit = LOSS_FUSED_TEMPS * act if on_gpu else 4 * LOSS_FP32_TEMPS + 2 * act
+        loss = min(chunk, tokens) * vocab * per_logit
     else:
         loss = work.probe_tokens * vocab * (4 * PROBE_FP32_TEMPS + act)
     devices = []

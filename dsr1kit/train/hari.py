@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..data.labels import IGNORE
 from ..model.lora import decoder_layers
+from . import vocab_loss
 
 KlTokens = Literal["all", "assistant"]
 
@@ -180,11 +181,11 @@ def _head(model):
 
 
 def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperature, w_ce, w_kl):
-    """CE/KL sums of one chunk and d(loss)/d(h), with the logits' gradient in closed form.
+    """CE/KL sums of one chunk (device scalars) and d(loss)/d(h), with the logits' gradient in closed form.
 
-    d CE/dz = softmax(z) - onehot(target);  d KL(q || p_T)/dz = (softmax(z/T) - q) / T.
     Only norm → lm_head goes through autograd, so no [chunk, V] activation is
-    kept for a backward pass and nothing is recomputed.
+    kept for a backward pass and nothing is recomputed; the terms and the
+    logits' gradient come from ``vocab_loss`` (one fused kernel on a GPU).
     """
     h = h.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -192,25 +193,13 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     # lm_head may sit on another GPU
     targets, kl_select = targets.to(logits.device), kl_select.to(logits.device)
     with torch.no_grad():
-        z = logits.detach().float()
-        valid = targets != IGNORE
-        tgt = targets.clamp_min(0).unsqueeze(1)
-        ce_sum = ((torch.logsumexp(z, -1) - z.gather(1, tgt).squeeze(1)) * valid).sum()
-        grad = torch.softmax(z, -1)
-        grad.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=grad.dtype))
-        grad.mul_((valid.float() * w_ce).unsqueeze(1))
-        kl_sum = z.new_zeros(())
-        if ref_h is not None:
-            log_q = torch.log_softmax(lm_head(norm(ref_h)).float().to(z.device) / temperature, -1)
-            log_p = torch.log_softmax(z / temperature, -1)
-            del z
-            q = log_q.exp()
-            kl_sum = ((q * (log_q - log_p)).sum(-1) * kl_select).sum()
-            del log_q
-            p_t = log_p.exp_()
-            grad.add_((p_t - q).mul_((kl_select * (w_kl / temperature)).unsqueeze(1)))
-    logits.backward(grad.to(logits.dtype))
-    return ce_sum.cpu(), kl_sum.cpu(), h.grad
+        ref_logits = None if ref_h is None else lm_head(norm(ref_h)).to(logits.device)
+        ce, kl, grad = vocab_loss.terms_and_grad(
+            logits.detach(), ref_logits, targets, kl_select, temperature, w_ce, w_kl
+        )
+        del ref_logits
+    logits.backward(grad)
+    return ce.sum(), kl.sum(), h.grad
 
 
 def fast_loss(
@@ -229,6 +218,16 @@ def fast_loss(
     gradient with respect to the adapted layers' output is the one computed
     chunk by chunk, so ``loss.backward()`` works as for ``naive_loss``.
     """
+    # the counts and positions the loss needs, read before the layers run: the step's only other wait for the
+    # device comes at its end, so the GPU is not left idle between the layers and the loss
+    targets = next_token_targets(batch["labels"]).flatten()
+    select = kl_mask(batch, kl_tokens).flatten()
+    has_ce = targets != IGNORE
+    needed = has_ce | (select if lambda_kl > 0 else torch.zeros_like(select))
+    n_ce, n_kl = (int(v) for v in torch.stack([has_ce.sum(), select.sum()]).tolist())
+    positions = needed.nonzero().squeeze(1)
+    tg, sel = targets[positions], select[positions].float()
+
     hidden, args, kwargs = prefix_forward(model, batch, first_layer)
     student = run_layers(model, first_layer, hidden, args, kwargs)
     ref = None
@@ -236,17 +235,14 @@ def fast_loss(
         with torch.no_grad(), model.disable_adapter():
             ref = run_layers(model, first_layer, hidden, args, kwargs)
     dev = student.device
-    targets = next_token_targets(batch["labels"]).to(dev)
-    select = kl_mask(batch, kl_tokens).to(dev)
-    n_ce, n_kl = int((targets != IGNORE).sum()), int(select.sum())
-    needed = (targets != IGNORE) | (select if lambda_kl > 0 else torch.zeros_like(select))
-    hs, tg, sel = student[needed], targets[needed], select[needed].float()
-    hr = ref[needed] if ref is not None else None
+    positions, tg, sel = positions.to(dev), tg.to(dev), sel.to(dev)
+    hs = student.flatten(0, -2).index_select(0, positions)
+    hr = ref.flatten(0, -2).index_select(0, positions) if ref is not None else None
     del ref
     norm, lm_head = _head(model)
     w_ce = 1.0 / max(n_ce, 1)
     w_kl = lambda_kl * temperature**2 / max(n_kl, 1) if lambda_kl > 0 else 0.0
-    ce_sum = kl_sum = 0.0
+    ce_sum = kl_sum = torch.zeros((), dtype=torch.float32, device=dev)
     grads = []
     for start in range(0, hs.shape[0], chunk):
         end = start + chunk
@@ -261,9 +257,10 @@ def fast_loss(
             w_ce,
             w_kl,
         )
-        ce_sum, kl_sum = ce_sum + float(c), kl_sum + float(k)
+        ce_sum, kl_sum = ce_sum + c.to(dev), kl_sum + k.to(dev)
         grads.append(g)
     grad_hs = torch.cat(grads) if grads else torch.zeros_like(hs)
+    ce_sum, kl_sum = torch.stack([ce_sum, kl_sum]).tolist()  # the step's one wait for the device
     ce, kl = ce_sum / max(n_ce, 1), kl_sum / max(n_kl, 1)
     value = ce + (lambda_kl * temperature**2 * kl if lambda_kl > 0 else 0.0)
     surrogate = (hs.float() * grad_hs.float()).sum()  # fp32, so the value below is not rounded
