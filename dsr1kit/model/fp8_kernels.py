@@ -214,9 +214,8 @@ def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
 
 DENSE_ROUTES = ("auto", "torch", "triton")
 dense_route = "auto"  # auto: torch's block-scaled scaled_mm where it takes the shape, else the kit's kernel
-_torch_variant: dict[
-    tuple, object
-] = {}  # (device, N, K, M aligned) -> the scaled_mm layout that ran, or None
+# (device, N, K, M aligned) -> the scaled_mm layout that ran there, or None where none did
+_torch_variant: dict[tuple, object] = {}
 
 
 def set_dense_route(route: str) -> None:

@@ -25,9 +25,8 @@ CUBLAS_WORKSPACES = 64 * 2**20
 CUDA_RUNTIME = 1.0 * GIB - CUBLAS_WORKSPACES  # CUDA context, NCCL buffers: outside torch's count
 HOST_RUNTIME = 1.5 * GIB  # python + torch + transformers (+ CUDA libraries) in the host process
 VLLM_HOST_RUNTIME = 3.0 * GIB  # api server, engine core and worker processes on a CPU
-LOSS_FP32_TEMPS = (
-    6  # fp32 [chunk, V] alive at once in the vocab loss's torch ops (z, grad, log_q, log_p, q, p−q)
-)
+# fp32 [chunk, V] alive at once in the vocab loss's torch ops (z, grad, log_q, log_p, q, p−q)
+LOSS_FP32_TEMPS = 6
 # on a GPU the fused vocab-loss kernel keeps only the logits, the reference's logits and their gradient ([chunk, V]
 # in the model's dtype each); the torch ops above run where there is no GPU
 LOSS_FUSED_TEMPS = 3
