@@ -45,6 +45,32 @@ def test_a_reasoning_that_stopped_unclosed_is_unparseable_but_did_not_run_out():
     assert thinking_of({"text": "<answer>B</answer>"}) == ""  # a model that did not reason
 
 
+# (token-id route text, the parser's reasoning and content, the tags the model wrote, reasoning_open)
+TAGGED = [
+    ("<answer>B</answer>", "<answer>B</answer>", "", (False, False), False),  # no reasoning, none opened
+    ("<think>I give up", "I give up", "", (True, False), False),  # opened itself, never closed
+    ("x</think>", "x", "", (False, True), False),  # closed, then nothing
+    ("Oslo is north.</think>B", "Oslo is north.", "B", (False, True), True),
+    ("still going", "still going", "", (False, False), True),  # the prompt opened it: cut
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "tags", "opened"), TAGGED)
+def test_a_parsed_row_that_records_the_tags_reads_as_its_token_route_twin(
+    text, reasoning, content, tags, opened
+):
+    """The parser files a completion without </think> as all reasoning; with the tags the model wrote on
+    record, the chat row reads as the token route reads the same completion, whatever the prompt opened."""
+    plain = {"text": text, "finish_reason": "stop"}
+    parsed = {"text": content, "reasoning": reasoning, "finish_reason": "stop"}
+    tagged = {**parsed, "opened_reasoning": tags[0], "closed_reasoning": tags[1]}
+    assert thinking_of(tagged, opened) == thinking_of(plain, opened)
+    assert response_of(tagged, opened) == response_of(plain, opened)
+    assert parse_row(tagged, 4, OPTIONS, opened) == parse_row(plain, 4, OPTIONS, opened)
+    if tags == (False, False) and not opened:  # only the record tells an answer from an unclosed reasoning
+        assert response_of(parsed, opened) is None and response_of(tagged, opened) == text
+
+
 def test_the_accuracy_table_counts_answers_that_ran_out_apart_from_wrong_ones():
     prompts = [
         ev.Prompt(f"q{i}", [1, 2, 3], "B", "c", "choice", OPTIONS, reasoning_open=True) for i in range(4)
@@ -96,6 +122,9 @@ def test_served_with_the_parser_the_chat_route_reads_what_the_token_route_reads(
         c, t = chat[pr.id], tokens[pr.id]
         assert c["prompt_tokens"] == t["prompt_tokens"] == len(pr.token_ids)  # the server renders our prompt
         assert "reasoning" in c and "reasoning" not in t
+        assert (
+            "closed_reasoning" in c
+        )  # the served vocabulary has the tags as tokens: the chat row says which
         assert thinking_of(c, pr.reasoning_open) == thinking_of(t, pr.reasoning_open), (c, t)
         assert (response_of(c, pr.reasoning_open) or "").strip() == (
             response_of(t, pr.reasoning_open) or ""

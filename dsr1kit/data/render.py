@@ -75,6 +75,18 @@ def opens_reasoning(prompt_text: str) -> bool:
     return bool(_OPENED.search(prompt_text))
 
 
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` when each is one token of the vocabulary (R1's are), else None:
+    with them a served answer says whether the model wrote the tags a reasoning parser removes."""
+    ids = []
+    for tag in (THINK_OPEN, THINK_CLOSE):
+        one = tokenizer(tag, add_special_tokens=False)["input_ids"]
+        if len(one) != 1 or one[0] == tokenizer.unk_token_id:
+            return None
+        ids.append(int(one[0]))
+    return ids[0], ids[1]
+
+
 def _continuation(prompt_text: str, content: str) -> str:
     """The content as it continues this prompt: no second opener, an empty reasoning closed."""
     m = _OPENED.search(prompt_text)

@@ -112,8 +112,7 @@ def response_of(row: dict, reasoning_open: bool = False) -> str | None:
     """What follows the reasoning of an answer row (the content a reasoning parser split off, else the text
     after the last ``</think>``); None when the reasoning never closed."""
     if "reasoning" in row:
-        content = row.get("text") or ""
-        return content if content or not row.get("reasoning") else None
+        return _parser_split(row, reasoning_open)[1]
     return after_reasoning(row.get("text") or "", reasoning_open)
 
 
@@ -121,11 +120,30 @@ def thinking_of(row: dict, reasoning_open: bool = False) -> str:
     """The reasoning of an answer row: the parser's, else the text up to the last ``</think>`` (all of it
     when the reasoning never closed); '' for a model that did not reason."""
     if "reasoning" in row:
-        return row.get("reasoning") or ""
+        return _parser_split(row, reasoning_open)[0]
     text = row.get("text") or ""
     if THINK_CLOSE in text:
         return text.rsplit(THINK_CLOSE, 1)[0].replace(THINK_OPEN, "", 1)
     return text.replace(THINK_OPEN, "", 1) if reasoning_open or THINK_OPEN in text else ""
+
+
+def _parser_split(row: dict, reasoning_open: bool) -> tuple[str, str | None]:
+    """(reasoning, response) of a row a reasoning parser split, read by the token route's rule.
+
+    The parser takes a completion that never wrote ``</think>`` for all reasoning (R1's prompt opens it).
+    Where the row records the tags the model wrote (``closed_reasoning``, ``opened_reasoning``: the served
+    vocabulary has them as single tokens), a completion that neither closed nor opened a reasoning, after a
+    prompt that opened none, is the answer. Without that record the parser's split stands.
+    """
+    reasoning, content = row.get("reasoning") or "", row.get("text") or ""
+    closed = row.get("closed_reasoning")
+    if closed is None:
+        return reasoning, (content if content or not reasoning else None)
+    if closed:
+        return reasoning, content
+    if reasoning_open or row.get("opened_reasoning"):
+        return reasoning, None
+    return "", reasoning + content
 
 
 def ran_out_thinking(row: dict, reasoning_open: bool = False) -> bool:

@@ -130,10 +130,13 @@ class CompletionClient:
         chat: bool = False,
         key_env: str = "",
         key_param: str = "server_key_env",
+        think_ids: tuple[int, int] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.chat = chat
+        # chat answers then record whether the model wrote <think> / </think> (a reasoning parser removes both)
+        self.think_ids = think_ids if chat else None
         self.key_env = key_env
         self.key_param = key_param  # the parameter that names key_env, for a refusal's message
         self.concurrency = concurrency
@@ -209,6 +212,7 @@ class CompletionClient:
                 "max_tokens": max_tokens,
                 "temperature": temperature,
                 **(extra or {}),
+                **({"return_token_ids": True} if self.think_ids else {}),
             }
             async with sem:
                 t0 = time.perf_counter()
@@ -224,6 +228,10 @@ class CompletionClient:
                 if self.chat:  # the content; a reasoning parser's reasoning beside it
                     message = choice["message"]
                     row["reasoning"] = message.get("reasoning") or message.get("reasoning_content") or ""
+                    if self.think_ids and choice.get("token_ids") is not None:
+                        ids = set(choice["token_ids"])
+                        row["opened_reasoning"] = self.think_ids[0] in ids
+                        row["closed_reasoning"] = self.think_ids[1] in ids
                 row.update(
                     text=(choice["message"]["content"] or "") if self.chat else choice["text"],
                     finish_reason=choice.get("finish_reason"),

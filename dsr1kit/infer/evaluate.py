@@ -25,7 +25,7 @@ from ..benchmarks.item import count_reasons
 from ..benchmarks.math_equiv import all_equivalent, equivalent
 from ..benchmarks.registry import adapter_by_repo
 from ..data.chat import to_messages
-from ..data.render import opens_reasoning, served_prompt
+from ..data.render import opens_reasoning, served_prompt, think_token_ids
 from ..run.paths import resolve
 from .answers import TRUNCATED as UNPARSEABLE_TRUNCATED
 from .answers import UNPARSEABLE, normalize, parse_row, ran_out_thinking, thinking_of
@@ -52,6 +52,7 @@ class Prompt:
     messages: list[dict] = field(
         default_factory=list
     )  # the chat the token ids render (the chat route's prompt)
+    think_ids: tuple[int, int] | None = None  # <think>, </think> as single tokens of the served vocabulary
 
     @property
     def n_options(self) -> int:
@@ -136,6 +137,7 @@ def system_for(item: Item, system_prompt: str) -> str:
 def build_prompts(items: list[Item], tokenizer, system_prompt: str) -> list[Prompt]:
     """Token ids of each item's served chat prompt (system + user, generation prompt added) and its gold."""
     prompts = []
+    think_ids = think_token_ids(tokenizer)
     for item in items:
         messages = to_messages(item.to_row(), system_for(item, system_prompt), with_answer=False)
         text, ids = served_prompt(tokenizer, messages)
@@ -152,6 +154,7 @@ def build_prompts(items: list[Item], tokenizer, system_prompt: str) -> list[Prom
                 dict(item.meta),
                 item.question,
                 messages,
+                think_ids,
             )
         )
     return prompts
@@ -342,6 +345,7 @@ def run_eval(
         retries=client.retries,
         key_env=client.key_env,
         chat=client.chat,
+        think_ids=prompts[0].think_ids if prompts else None,
     )
     with tqdm(
         total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress
