@@ -61,7 +61,8 @@ class Watch(threading.Thread):
             for log in self.runs.glob("*/logs/server-*.log"):
                 port = re.search(r"--port (\d+)", log.read_text(errors="replace"))
                 url = f"http://127.0.0.1:{port.group(1)}/v1/models" if port else None
-                if url and (answer := (_status(url), _status(url, KEY)))[0] is not None:
+                # both asked while it was up: a server that stops between the two asks told nothing
+                if url and None not in (answer := (_status(url), _status(url, KEY))):
                     self.answers.setdefault(log.stem, set()).add(answer)
             time.sleep(0.5)
 
