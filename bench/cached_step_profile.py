@@ -14,7 +14,9 @@ the step's wall time and the arithmetic it needs.
 
 Before the profile, the step is timed without the profiler (median of
 ``--time-iters``) with the loss over the vocabulary computed each way
-(``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), the two
+(``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), and with
+NF4 experts, their weights read each way (``experts_nf4`` routes: dequantized
+by bitsandbytes for ``grouped_mm``, then the kit's NF4 grouped kernel), the two
 alternating run by run, so their ratio comes from one run on one GPU.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from bench.common import free, peak_gib, reset_peak, sync
 from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config
+from dsr1kit.model import experts_nf4
 from dsr1kit.train import vocab_loss
 
 KINDS = (
@@ -49,19 +52,28 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def compare_loss_routes(model, batch, first: int, device, iters: int) -> dict:
-    """Median step time with the vocabulary loss as torch ops and as the fused kernel, runs alternating."""
-    if iters <= 0 or device.type != "cuda":  # the fused kernel runs on CUDA only
+# what can be timed two ways in one run: the loss over the vocabulary, and how NF4 experts read their weights
+ROUTES = {
+    "loss": (vocab_loss.set_route, ("torch", "fused")),
+    "nf4": (experts_nf4.set_route, ("dequant", "fused")),
+}
+
+
+def compare_routes(which: str, model, batch, first: int, device, iters: int) -> dict:
+    """Median step time each way (``ROUTES[which]``: the old way, then the fused kernel), runs alternating, and
+    how far the LoRA gradients of one step each way differ."""
+    if iters <= 0 or device.type != "cuda":  # the fused kernels run on CUDA only
         return {}
+    set_route, names = ROUTES[which]
     seq = batch["inputs_embeds"].shape[0] * batch["inputs_embeds"].shape[1]
-    times: dict[str, list[float]] = {"torch": [], "fused": []}
-    for name in ("torch", "fused"):  # warm-up, the fused kernel's compilation included
-        vocab_loss.set_route(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up, the fused kernel's compilation (and tuning) included
+        set_route(name)
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
     for _ in range(iters):
-        for name in times:
-            vocab_loss.set_route(name)
+        for name in names:
+            set_route(name)
             sync(device)
             t0 = time.perf_counter()
             hari_step(model, batch, first)
@@ -69,23 +81,22 @@ def compare_loss_routes(model, batch, first: int, device, iters: int) -> dict:
             times[name].append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
     grads = {}
-    for name in times:  # the LoRA gradients of one step each way: the fused kernel changes no gradient
-        vocab_loss.set_route(name)
+    for name in names:  # the LoRA gradients of one step each way: the fused kernel changes no gradient
+        set_route(name)
         hari_step(model, batch, first)
         grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)
-    vocab_loss.set_route("auto")
+    set_route("auto")
     out = {}
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3
         out[name] = {"ms_per_step": round(ms, 2), "tokens_per_s": round(seq / ms * 1e3, 1)}
-    out["fused_speedup"] = round(out["torch"]["ms_per_step"] / out["fused"]["ms_per_step"], 3)
-    diff = (grads["fused"] - grads["torch"]).norm() / grads["torch"].norm()
+    old, fused = names
+    out["fused_speedup"] = round(out[old]["ms_per_step"] / out[fused]["ms_per_step"], 3)
+    diff = (grads[fused] - grads[old]).norm() / grads[old].norm()
     out["lora_grad_rel_diff"] = float(diff)
-    out["lora_grad_cosine"] = float(
-        torch.nn.functional.cosine_similarity(grads["fused"], grads["torch"], dim=0)
-    )
-    print(json.dumps({"timed_without_profiler": out}), flush=True)
+    out["lora_grad_cosine"] = float(torch.nn.functional.cosine_similarity(grads[fused], grads[old], dim=0))
+    print(json.dumps({"timed_without_profiler": {which: out}}), flush=True)
     return out
 
 
@@ -97,6 +108,9 @@ def main() -> None:
     ap.add_argument("--experts", default="bf16", choices=("bf16", "nf4"))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--time-iters", type=int, default=10, help="timed steps per loss route (0: no timing)")
+    ap.add_argument(
+        "--nf4-route", default="auto", choices=experts_nf4.ROUTES, help="NF4 experts in the profile"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -108,7 +122,10 @@ def main() -> None:
     for _ in range(3):
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
-    routes = compare_loss_routes(model, batch, first, device, args.time_iters)
+    routes = {"loss": compare_routes("loss", model, batch, first, device, args.time_iters)}
+    if args.experts == "nf4":
+        routes["nf4"] = compare_routes("nf4", model, batch, first, device, args.time_iters)
+    experts_nf4.set_route(args.nf4_route)
     free(device)
     reset_peak(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -148,6 +165,7 @@ def main() -> None:
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "experts": args.experts,
+        "nf4_route": args.nf4_route,
         "seq": seq,
         "wall_ms_per_step": round(wall_ms, 2),
         "tokens_per_s": round(seq / wall_ms * 1e3, 1),

@@ -18,6 +18,9 @@ no_grad as the prefix pass runs it:
   (the path before torch's GEMM was taken);
 - **nf4**: today's prefix pass, NF4 experts (``NF4Experts``) and bitsandbytes
   NF4 linears, from the bf16 weights below;
+- **nf4-fused**: the same NF4 layer with its experts' weights read as stored
+  by the kit's grouped NF4 kernel (``nf4_kernels``) instead of dequantized
+  to bf16 for ``grouped_mm``;
 - **bf16**: the reference, every FP8 weight dequantized to bf16 (what the
   streaming loader does without NF4).
 
@@ -50,16 +53,19 @@ from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
 
 
 @contextlib.contextmanager
-def fp8_route(dense: str = "auto"):
-    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``)."""
-    from dsr1kit.model import fp8_kernels
+def fp8_route(dense: str = "auto", nf4: str = "auto"):
+    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``) and the NF4 experts
+    on ``nf4`` (``experts_nf4.ROUTES``)."""
+    from dsr1kit.model import experts_nf4, fp8_kernels
 
-    before = fp8_kernels.dense_route
+    before = fp8_kernels.dense_route, experts_nf4._route
     fp8_kernels.set_dense_route(dense)
+    experts_nf4.set_route(nf4)
     try:
         yield
     finally:
-        fp8_kernels.set_dense_route(before)
+        fp8_kernels.set_dense_route(before[0])
+        experts_nf4.set_route(before[1])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,8 +132,14 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
     if kind == "moe":
         nf4_layer.mlp.experts = NF4Experts.from_experts(nf4_layer.mlp.experts)
     quantize_linears_(nf4_layer, device)
-    variants = {"bf16": layer, "nf4": nf4_layer, "fp8": fp8_layer, "fp8-triton": fp8_layer}
-    routes = {"fp8-triton": dict(dense="triton")}
+    variants = {
+        "bf16": layer,
+        "nf4": nf4_layer,
+        "nf4-fused": nf4_layer,
+        "fp8": fp8_layer,
+        "fp8-triton": fp8_layer,
+    }
+    routes = {"fp8-triton": dict(dense="triton"), "nf4": dict(nf4="dequant"), "nf4-fused": dict(nf4="fused")}
     captured = {}
 
     def capture(part):
@@ -423,7 +435,7 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     for kind in [k for k in args.layers.split(",") if k]:
         rows += measure(args, kind, device)
-        for r in rows[-6:]:
+        for r in [r for r in rows if r["layer"] == kind]:
             print(json.dumps(r), flush=True)
     summary = {}
     for kind in [k for k in args.layers.split(",") if k]:
@@ -435,6 +447,7 @@ def main() -> None:
                 "fp8_over_nf4": round(by["nf4"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_bf16": round(by["bf16"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
+                "nf4_fused_over_nf4": round(by["nf4"]["ms"] / by["nf4-fused"]["ms"], 2),
             }
     print(json.dumps(summary, indent=1))
     meta = {

@@ -1,0 +1,121 @@
+"""The NF4 grouped GEMM (the kit's Triton kernel that reads NF4 expert weights as stored) on CPU, through Triton's
+interpreter: each row tile multiplied by its own expert's weights, both directions (forward and the input
+gradient), and NF4 experts giving the same outputs and gradients by either route.
+
+The interpreter must be switched on before Triton compiles anything, hence a fresh interpreter per check. Its dot
+misreads a bf16 tile cast in registers, so the kernel multiplies in float32 there (the products of bf16 values are
+exact in float32, as on a GPU's tensor cores); its bf16 stores truncate, which the bf16 tolerance allows for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from bitsandbytes import functional as bnbf
+
+    from dsr1kit.model import experts_nf4, nf4_kernels as K
+
+    assert K.INTERPRETING
+    case = json.loads(sys.argv[1])
+    g = torch.Generator().manual_seed(3)
+    out = {}
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    if case["what"] == "gemm":
+        dtype = getattr(torch, case["dtype"])
+        rows, cols = case["shape"]
+        counts = case["counts"]
+        weights = [torch.randn(rows, cols, generator=g).to(dtype) for _ in counts]
+        packed, absmax, dense = [], [], []
+        for w in weights:
+            q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+            packed.append(q.view(-1))
+            absmax.append(state.absmax.float())
+            dense.append(bnbf.dequantize_4bit(q, state).float())
+        packed, absmax = torch.stack(packed), torch.stack(absmax)
+        x = torch.randn(sum(counts), cols, generator=g).to(dtype).requires_grad_()
+        y = K.grouped_mm(x, packed, absmax, K.tiles(counts, x.device), (rows, cols))
+        grad = torch.randn(y.shape, generator=g).to(dtype)
+        (gx,) = torch.autograd.grad(y, x, grad)
+
+        def reference(shift):
+            xr = x.detach().float().requires_grad_()
+            parts, start = [], 0
+            for e, count in enumerate(counts):
+                parts.append(xr[start : start + count] @ dense[(e + shift) % len(counts)].T)
+                start += count
+            want = torch.cat(parts)
+            return want, torch.autograd.grad(want, xr, grad.float())[0]
+
+        want, want_gx = reference(0)
+        out["forward"], out["backward"] = rel(y, want), rel(gx, want_gx)
+        wrong, wrong_gx = reference(1)  # every tile against its neighbour's expert
+        out["neighbour"] = min(rel(y, wrong), rel(gx, wrong_gx))
+        out["shape"] = list(y.shape)
+    else:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+        tokens, experts, top_k, hidden, inter = case["shape"]
+        config = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts)
+        bf16 = DeepseekV3Experts(config)
+        with torch.no_grad():
+            for t in (bf16.gate_up_proj, bf16.down_proj):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.05)
+        module = experts_nf4.NF4Experts.from_experts(bf16, chunk_experts=3)  # three chunks of experts
+        x = torch.randn(tokens, hidden, generator=g).requires_grad_()
+        index = torch.stack([torch.randperm(experts - 1, generator=g)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, generator=g).requires_grad_()
+        grad = torch.randn(tokens, hidden, generator=g)
+        results = {}
+        for route in ("dequant", "fused"):
+            experts_nf4.set_route(route)
+            y = module(x, index, weights)
+            results[route] = (y, *torch.autograd.grad(y, (x, weights), grad))
+        for name, got, want in zip(("output", "hidden_grad", "weights_grad"), results["fused"], results["dequant"]):
+            out[name] = rel(got, want)
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def _interpreted(case: dict) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(case)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(256, 128), (128, 320)], ids=["gate-up-like", "down-like-partial-tiles"])
+def test_nf4_grouped_gemm_interpreted_multiplies_each_tile_by_its_own_experts_weights(shape, dtype):
+    # an expert with no rows, one with fewer rows than a tile, two that span two and three tiles
+    got = _interpreted({"what": "gemm", "shape": shape, "dtype": dtype, "counts": [0, 70, 5, 130]})
+    assert got["shape"] == [205, shape[0]]
+    # float32: the same products summed in another order; bf16: the output rounded (truncated here) once
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    assert got["forward"] < tolerance and got["backward"] < tolerance, got
+    assert got["neighbour"] > 0.5, got  # a tile multiplied by the wrong expert's weights is far off
+
+
+def test_nf4_experts_give_the_same_outputs_and_gradients_by_either_route():
+    """float32 NF4 experts in three chunks: the fused kernel against bitsandbytes' dequantization + grouped_mm."""
+    got = _interpreted({"what": "module", "shape": [150, 8, 3, 256, 128]})
+    assert max(got.values()) < 1e-5, got
