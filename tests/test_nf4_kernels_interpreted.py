@@ -48,7 +48,9 @@ SCRIPT = textwrap.dedent(
             dense.append(bnbf.dequantize_4bit(q, state).float())
         packed, absmax = torch.stack(packed), torch.stack(absmax)
         x = torch.randn(sum(counts), cols, generator=g).to(dtype).requires_grad_()
-        y = K.grouped_mm(x, packed, absmax, K.tiles(counts, x.device), (rows, cols))
+        row_tiles = K.tiles(counts, x.device)
+        out["block_m"] = row_tiles.block_m
+        y = K.grouped_mm(x, packed, absmax, row_tiles, (rows, cols))
         grad = torch.randn(y.shape, generator=g).to(dtype)
         (gx,) = torch.autograd.grad(y, x, grad)
 
@@ -103,12 +105,19 @@ def _interpreted(case: dict) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.mark.parametrize(
+    ("counts", "block_m"),
+    # an expert with no rows, one with fewer rows than a tile, ones that span two and three tiles
+    [([0, 70, 5, 130], 64), ([0, 150, 100, 300], 128)],
+    ids=["64-row-tiles", "128-row-tiles"],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(256, 128), (128, 320)], ids=["gate-up-like", "down-like-partial-tiles"])
-def test_nf4_grouped_gemm_interpreted_multiplies_each_tile_by_its_own_experts_weights(shape, dtype):
-    # an expert with no rows, one with fewer rows than a tile, two that span two and three tiles
-    got = _interpreted({"what": "gemm", "shape": shape, "dtype": dtype, "counts": [0, 70, 5, 130]})
-    assert got["shape"] == [205, shape[0]]
+def test_nf4_grouped_gemm_interpreted_multiplies_each_tile_by_its_own_experts_weights(
+    shape, dtype, counts, block_m
+):
+    got = _interpreted({"what": "gemm", "shape": shape, "dtype": dtype, "counts": counts})
+    assert got["shape"] == [sum(counts), shape[0]] and got["block_m"] == block_m
     # float32: the same products summed in another order; bf16: the output rounded (truncated here) once
     tolerance = 1e-5 if dtype == "float32" else 1e-2
     assert got["forward"] < tolerance and got["backward"] < tolerance, got

@@ -26,13 +26,16 @@ already read (``tiles``): each tile belongs to one expert.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 64  # NF4 block along the flattened weight rows
-BLOCK_M = 64  # row tile; an expert's rows take ceil(count / BLOCK_M) tiles
+# row tiles: each dequantizes its expert's whole weight once, so taller tiles dequantize less per row;
+# an expert's rows take ceil(count / block_m) tiles (``block_rows`` picks by the rows per expert)
+BLOCK_MS = (64, 128)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _CODES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -111,24 +114,28 @@ def _nf4_grouped(
             rows, row_ok_w = offs_n, n_ok
             half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             half_ok = half < K_RED // 2
-            cols = offs_k
-            col_ok = k_ok
+            blocks = k0 // 64 + tl.arange(0, BLOCK_K // 64)
+            width: tl.constexpr = BLOCK_K
         else:  # W rows are the reduction (k), its contiguous columns the output (n)
             rows, row_ok_w = offs_k, k_ok
             half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             half_ok = half < N_OUT // 2
-            cols = offs_n
-            col_ok = n_ok
+            blocks = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
+            width: tl.constexpr = BLOCK_N
         packed = tl.load(
             w_base + rows[:, None].to(tl.int64) * half_cols + half[None, :],
             mask=row_ok_w[:, None] & half_ok[None, :],
             other=0,
         )
         nibbles = tl.interleave(packed >> 4, packed & 15).to(tl.int32)  # the first element is the high nibble
+        # one absmax per row and 64 columns, loaded once and spread over its block
         absmax = tl.load(
-            a_base + rows[:, None].to(tl.int64) * blocks_per_row + (cols // 64)[None, :],
-            mask=row_ok_w[:, None] & col_ok[None, :],
+            a_base + rows[:, None].to(tl.int64) * blocks_per_row + blocks[None, :],
+            mask=row_ok_w[:, None] & (blocks < blocks_per_row)[None, :],
             other=0.0,
+        )
+        absmax = tl.reshape(
+            tl.broadcast_to(absmax[:, :, None], (rows.shape[0], width // 64, 64)), (rows.shape[0], width)
         )
         w = (tl.load(CODE + nibbles) * absmax).to(X.dtype.element_ty)  # as bitsandbytes dequantizes
         if (
@@ -150,11 +157,34 @@ if INTERPRETING:  # no autotuner without a GPU driver
     _kernel = _nf4_grouped
 else:
     _INTERPRETED = {"DOT_F32": False}
-    _kernel = triton.autotune(configs=_configs(), key=["N_OUT", "K_RED", "TRANS"])(_nf4_grouped)
+    _kernel = triton.autotune(configs=_configs(), key=["N_OUT", "K_RED", "TRANS", "BLOCK_M"])(_nf4_grouped)
 
 
-def tiles(counts: list[int], device: torch.device, block_m: int = BLOCK_M) -> torch.Tensor:
-    """[3, tiles] int32: the group, first row and end row of each row tile over expert-sorted rows."""
+def block_rows(counts: list[int]) -> int:
+    """The row tile for these per-expert counts: 128 once experts average 96 rows or more (R1 at 4,096 tokens
+    averages 128), else 64, so that few rows are padding."""
+    used = [c for c in counts if c]
+    return BLOCK_MS[1] if used and sum(used) / len(used) >= 96 else BLOCK_MS[0]
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Row tiles over expert-sorted rows: ``index`` [3, tiles] int32 holds each tile's group, first and end row."""
+
+    index: torch.Tensor
+    block_m: int
+
+    @property
+    def count(self) -> int:
+        return self.index.shape[1]
+
+
+def tiles(counts: list[int], device: torch.device, block_m: int | None = None) -> RowTiles:
+    """The row tiles of expert-sorted rows with these per-group counts, ``block_m`` rows each at most
+    (``block_rows(counts)`` when not given); built on the host from counts the routing has already read."""
+    block_m = block_m or block_rows(counts)
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"row tile must be one of {BLOCK_MS}, got {block_m}")
     expert, start, end, row = [], [], [], 0
     for g, count in enumerate(counts):
         for first in range(row, row + count, block_m):
@@ -162,7 +192,8 @@ def tiles(counts: list[int], device: torch.device, block_m: int = BLOCK_M) -> to
             start.append(first)
             end.append(min(first + block_m, row + count))
         row += count
-    return torch.tensor([expert, start, end], dtype=torch.int32).to(device, non_blocking=True)
+    index = torch.tensor([expert, start, end], dtype=torch.int32).to(device, non_blocking=True)
+    return RowTiles(index, block_m)
 
 
 def check(packed: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int]) -> None:
@@ -182,18 +213,18 @@ def _launch(x, packed, absmax, row_tiles, shape, trans: bool) -> torch.Tensor:
         )
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    if row_tiles.shape[1] == 0:
+    if row_tiles.count == 0:
         return y
-    grid = lambda meta: (row_tiles.shape[1], triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (row_tiles.count, triton.cdiv(n_out, meta["BLOCK_N"]))  # noqa: E731
     _kernel[grid](
         x,
         packed,
         absmax,
         nf4_code(x.device),
         y,
-        row_tiles[0],
-        row_tiles[1],
-        row_tiles[2],
+        row_tiles.index[0],
+        row_tiles.index[1],
+        row_tiles.index[2],
         n_out,
         k_red,
         cols,
@@ -202,7 +233,7 @@ def _launch(x, packed, absmax, row_tiles, shape, trans: bool) -> torch.Tensor:
         absmax.stride(0),
         y.stride(0),
         TRANS=trans,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=row_tiles.block_m,
         **_INTERPRETED,
     )
     return y
@@ -213,14 +244,14 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, absmax, row_tiles, shape):
-        ctx.save_for_backward(packed, absmax, row_tiles)
-        ctx.shape = shape
+        ctx.save_for_backward(packed, absmax)
+        ctx.row_tiles, ctx.shape = row_tiles, shape
         return _launch(x, packed, absmax, row_tiles, shape, True)
 
     @staticmethod
     def backward(ctx, grad):
-        packed, absmax, row_tiles = ctx.saved_tensors
-        return _launch(grad, packed, absmax, row_tiles, ctx.shape, False), None, None, None, None
+        packed, absmax = ctx.saved_tensors
+        return _launch(grad, packed, absmax, ctx.row_tiles, ctx.shape, False), None, None, None, None
 
 
 def grouped_mm(
@@ -238,4 +269,4 @@ def grouped_mm(
     return _GroupedMM.apply(x, packed, absmax, row_tiles, tuple(shape))
 
 
-__all__ = ["BLOCK_M", "grouped_mm", "nf4_code", "tiles"]
+__all__ = ["BLOCK_MS", "RowTiles", "block_rows", "grouped_mm", "nf4_code", "tiles"]
