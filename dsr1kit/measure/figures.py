@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .sweep import PointResult, by_lambda, fit_line
+from .sweep import PointResult, by_lambda, fit_line, mean_std
 
 
 def frontier_figure(results: list[PointResult]):
@@ -90,8 +90,7 @@ def comparison_figure(results: list[PointResult], levels=()):
             vals = [a_kept_at(f, g) for f in by_seed.values()]
             if any(v is None for v in vals):
                 break
-            m = sum(vals) / len(vals)
-            s = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            m, s = mean_std(vals)
             xs.append(g), mean.append(m), lo.append(m - s), hi.append(m + s)
         ax.plot(xs, mean, color=colour, label=f"{label(method)} (n={len(by_seed)})")
         ax.fill_between(xs, lo, hi, color=colour, alpha=0.15, lw=0)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..run.verdict import FAIL, OK, WARN, Verdict
-from .sweep import PointResult
+from .sweep import PointResult, mean_std
 
 METHODS = ("hari", "sft", "replay", "small_adapter")
 LABELS = {
@@ -68,12 +68,6 @@ def seed_frontiers(results: list[PointResult]) -> dict[str, dict[int, Frontier]]
         per_seed = points.setdefault(method_of(r), {})
         per_seed.setdefault(r.seed, [(0.0, r.base_acc_a)]).append((r.b_gain, r.acc_a))
     return {m: {s: pareto(pts) for s, pts in sorted(by_seed.items())} for m, by_seed in points.items()}
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 @dataclass
@@ -163,7 +157,7 @@ def matched_gains(results: list[PointResult], fractions: Iterable[float]) -> lis
         for method in [m for m in METHODS if m in frontiers] + sorted(set(frontiers) - set(METHODS)):
             by_seed = frontiers[method]
             values = [a for a in (a_kept_at(f, gain) for f in by_seed.values()) if a is not None]
-            methods.append(AtGain(method, values, len(by_seed), *_mean_std(values)))
+            methods.append(AtGain(method, values, len(by_seed), *mean_std(values)))
         outcome, text = judge(methods)
         out.append(MatchedGain(gain, fraction, methods, outcome, text))
     return out
@@ -267,7 +261,8 @@ def matched_table(levels: list[MatchedGain]) -> list[dict[str, Any]]:
 
 
 def cost_table(results: list[PointResult]) -> list[dict[str, Any]]:
-    sft = next((c for c in costs(results) if c.method == "sft"), None)
+    per_method = costs(results)
+    sft = next((c for c in per_method if c.method == "sft"), None)
     return [
         {
             "method": label(c.method),
@@ -277,7 +272,7 @@ def cost_table(results: list[PointResult]) -> list[dict[str, Any]]:
             "× plain SFT time": round(c.train_s / sft.train_s, 2) if sft and sft.train_s else None,
             "peak memory GiB": round(c.peak_memory_gib, 2),
         }
-        for c in costs(results)
+        for c in per_method
     ]
 
 

@@ -81,7 +81,10 @@ class LambdaSummary:
         return asdict(self)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation over seeds (0 for one seed, nan for none)."""
+    if not values:
+        return float("nan"), float("nan")
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
@@ -99,7 +102,7 @@ def by_lambda(results: list[PointResult]) -> list[LambdaSummary]:
     for lam in sorted(groups):
         g = groups[lam]
         stats = [
-            _mean_std(vals)
+            mean_std(vals)
             for vals in (
                 [r.b_gain for r in g],
                 [r.a_drop for r in g],

@@ -95,8 +95,11 @@ def point_params(p, point: Point, run_dir: str | Path):
     if point.family == "small_adapter":
         overrides.update(p.small_adapter)
     if point.family == "replay":
-        rows = replay_mix(p, run_dir)
-        overrides.update(dataset=str(mix_path(p, run_dir)), sample_limit=len(rows), max_steps=b_steps(p))
+        b_run = b_training(p)
+        rows = replay_mix(p, run_dir, b_run)
+        overrides.update(
+            dataset=str(mix_path(p, run_dir)), sample_limit=len(rows), max_steps=b_steps(p, b_run)
+        )
     return load("20_hari_training", overrides=overrides)
 
 
@@ -104,21 +107,22 @@ def mix_path(p, run_dir: str | Path) -> Path:
     return Path(run_dir) / "replay" / f"mix-ratio{p.replay_ratio:g}.jsonl"
 
 
-def b_steps(p) -> int:
-    """Optimizer steps of a run on B alone (one rank): the replay runs train as many, on more rows."""
+def b_training(p) -> tuple[Any, list[dict]]:
+    """Notebook 20's parameters of a run on B alone, and B's training rows as that run reads them."""
+    from ..data.plan import load_rows
     from ..params import load
+
+    hp = load("20_hari_training", overrides={**p.hari, "dataset": p.task_b_train})
+    return hp, load_rows(p.task_b_train, sample_limit=hp.sample_limit or None).rows
+
+
+def b_steps(p, b_run: tuple[Any, list[dict]] | None = None) -> int:
+    """Optimizer steps of a run on B alone (one rank): the replay runs train as many, on more rows."""
     from ..train.loop import schedule
     from .hari_training import train_config
 
-    hp = load("20_hari_training", overrides={**p.hari, "dataset": p.task_b_train})
-    n = len(_b_rows(p, hp.sample_limit))
-    return hp.max_steps or schedule(n, train_config(hp), 1)[1]
-
-
-def _b_rows(p, sample_limit: int) -> list[dict]:
-    from ..data.plan import load_rows
-
-    return load_rows(p.task_b_train, sample_limit=sample_limit or None).rows
+    hp, rows = b_run or b_training(p)
+    return hp.max_steps or schedule(len(rows), train_config(hp), 1)[1]
 
 
 def base_fingerprint(model: str) -> str:
@@ -138,11 +142,11 @@ def base_fingerprint(model: str) -> str:
     return f"{model} {model_digest(path)}"
 
 
-def replay_mix(p, run_dir: str | Path) -> list[dict]:
-    """B's training rows mixed with the base's own answers on A-style prompts, written once per sweep."""
+def replay_mix(p, run_dir: str | Path, b_run: tuple[Any, list[dict]] | None = None) -> list[dict]:
+    """B's training rows mixed with the base's own answers on A-style prompts, written once per sweep
+    (``b_run``: ``b_training(p)`` when the caller has it already)."""
     from ..data import replay
     from ..model.load import load_model
-    from ..params import load
 
     path = mix_path(p, run_dir)
     spec = replay.ReplaySpec(
@@ -174,8 +178,7 @@ def replay_mix(p, run_dir: str | Path) -> list[dict]:
     else:
         answer = replay.hf_answerer(load_base, p.system_prompt, p.replay_max_new_tokens)
     answers = replay.replay_rows(path.parent, spec, answer)
-    hp = load("20_hari_training", overrides={**p.hari, "dataset": p.task_b_train})
-    rows = replay.mix(_b_rows(p, hp.sample_limit), answers, p.replay_ratio)
+    rows = replay.mix((b_run or b_training(p))[1], answers, p.replay_ratio)
     if not path.is_file():
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
