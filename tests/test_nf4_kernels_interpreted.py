@@ -1,5 +1,5 @@
 """The NF4 grouped GEMM (the kit's Triton kernel that reads NF4 expert weights as stored) on CPU, through Triton's
-interpreter: each row tile multiplied by its own expert's weights, both directions (forward and the input
+interpreter (and compiled, in bf16 up to R1's widths, where a GPU is present): each row tile multiplied by its own expert's weights, both directions (forward and the input
 gradient), and NF4 experts giving the same outputs and gradients by either route.
 
 The interpreter must be switched on before Triton compiles anything, hence a fresh interpreter per check. Its dot
@@ -128,3 +128,54 @@ def test_nf4_experts_give_the_same_outputs_and_gradients_by_either_route():
     """float32 NF4 experts in three chunks: the fused kernel against bitsandbytes' dequantization + grouped_mm."""
     got = _interpreted({"what": "module", "shape": [150, 8, 3, 256, 128]})
     assert max(got.values()) < 1e-5, got
+
+
+# -- on a GPU: the compiled kernel, bf16, wider shapes (skipped without CUDA) ----------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter",
+    [(37, 8, 2, 256, 128), (2048, 64, 8, 2048, 512), (4096, 256, 8, 7168, 2048)],
+    ids=["tiny", "mid", "r1-widths"],
+)
+def test_nf4_experts_fused_route_matches_the_dequant_route_on_cuda(tokens, experts, top_k, hidden, inter):
+    """bf16 NF4 experts: output and input/routing-weight gradients by the fused kernel against bitsandbytes'
+    dequantization + grouped_mm. Both multiply the same bf16 weights; they differ by summation order and bf16
+    rounding of the outputs (one bf16 step, 2^-8, relative)."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    from dsr1kit.model import experts_nf4
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    config = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts)
+    with torch.device("meta"):  # allocated in bf16 on the GPU only (R1's widths: 22.5 GB, 45 GB in float32)
+        bf16 = DeepseekV3Experts(config).to(torch.bfloat16)
+    bf16 = bf16.to_empty(device="cuda")
+    with torch.no_grad():
+        for t in (bf16.gate_up_proj, bf16.down_proj):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda") * 0.02)
+    module = experts_nf4.NF4Experts.from_experts(bf16)
+    del bf16
+    x = torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    scores = torch.rand(tokens, experts, generator=g, device="cuda")
+    index = scores.topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, generator=g, device="cuda").requires_grad_()
+    grad = torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    try:
+        for route in ("dequant", "fused"):
+            experts_nf4.set_route(route)
+            y = module(x, index, weights)
+            results[route] = (y, *torch.autograd.grad(y, (x, weights), grad))
+    finally:
+        experts_nf4.set_route("auto")
+    for name, got, want in zip(
+        ("output", "hidden_grad", "weights_grad"), results["fused"], results["dequant"]
+    ):
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        assert rel < 1e-2, (name, rel)
