@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import free, peak_gib, reset_peak, sync
+from bench.common import free, layer_compiler, peak_gib, reset_peak, sync
 from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config
 from dsr1kit.model import experts_nf4
 from dsr1kit.train import vocab_loss
@@ -59,12 +59,12 @@ ROUTES = {
 }
 
 
-def compare_routes(which: str, model, batch, first: int, device, iters: int) -> dict:
-    """Median step time each way (``ROUTES[which]``: the old way, then the fused kernel), runs alternating, and
-    how far the LoRA gradients of one step each way differ."""
+def compare_routes(which: str, model, batch, first: int, device, iters: int, routes=None) -> dict:
+    """Median step time each way (``ROUTES[which]``, or ``routes``: the old way, then the new one), runs
+    alternating, and how far the LoRA gradients of one step each way differ."""
     if iters <= 0 or device.type != "cuda":  # the fused kernels run on CUDA only
         return {}
-    set_route, names = ROUTES[which]
+    set_route, names = routes or ROUTES[which]
     seq = batch["inputs_embeds"].shape[0] * batch["inputs_embeds"].shape[1]
     times: dict[str, list[float]] = {name: [] for name in names}
     for name in names:  # warm-up, the fused kernel's compilation (and tuning) included
@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--time-iters", type=int, default=10, help="timed steps per loss route (0: no timing)")
     ap.add_argument(
+        "--compile", action="store_true", help="also time the adapted layers through torch.compile"
+    )
+    ap.add_argument(
         "--nf4-route", default="auto", choices=experts_nf4.ROUTES, help="NF4 experts in the profile"
     )
     ap.add_argument("--out", required=True)
@@ -126,6 +129,14 @@ def main() -> None:
     if args.experts == "nf4":
         routes["nf4"] = compare_routes("nf4", model, batch, first, device, args.time_iters)
     experts_nf4.set_route(args.nf4_route)
+    if (
+        args.compile
+    ):  # the adapted layers eager, then through torch.compile (the fused loss and NF4 route as set)
+        switch = layer_compiler(model, first)
+        routes["compile"] = compare_routes(
+            "compile", model, batch, first, device, args.time_iters, (switch, ("eager", "compiled"))
+        )
+        switch("compiled")  # the profile shows what is left once compiled
     free(device)
     reset_peak(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -166,6 +177,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "experts": args.experts,
         "nf4_route": args.nf4_route,
+        "compiled": args.compile,
         "seq": seq,
         "wall_ms_per_step": round(wall_ms, 2),
         "tokens_per_s": round(seq / wall_ms * 1e3, 1),

@@ -339,3 +339,22 @@ def plan_on_gpu0(config, inputs):
 
     machine = Machine(1, torch.cuda.get_device_properties(0).total_memory, 0.0, "bench GPU")
     return hari_plan_for_config(config, machine, inputs)
+
+
+def layer_compiler(model, first: int, end: int | None = None):
+    """A switch between the decoder layers ``first`` .. ``end`` as they are and ``torch.compile`` of each
+    (dynamic shapes, so one compilation serves every sequence length): ``switch("compiled")`` /
+    ``switch("eager")``. The compiled wrappers share the layers' parameters; the kit's Triton kernels and host
+    syncs (NF4 routing) split the compiled graphs, so what fuses is the elementwise work between GEMMs."""
+    from dsr1kit.model.lora import decoder_layers
+
+    container = decoder_layers(model)
+    stop = len(container) if end is None else end
+    eager = {i: container[i] for i in range(first, stop)}
+    compiled = {i: torch.compile(layer, dynamic=True) for i, layer in eager.items()}
+
+    def switch(name: str) -> None:
+        for i, layer in (compiled if name == "compiled" else eager).items():
+            container[i] = layer
+
+    return switch

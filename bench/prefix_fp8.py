@@ -21,6 +21,9 @@ no_grad as the prefix pass runs it:
 - **nf4-fused**: the same NF4 layer with its experts' weights read as stored
   by the kit's grouped NF4 kernel (``nf4_kernels``) instead of dequantized
   to bf16 for ``grouped_mm``;
+- **fp8-compiled** (``--compile``): the fp8 layer through ``torch.compile``
+  (dynamic shapes), which fuses the copies and elementwise kernels between
+  its GEMMs;
 - **bf16**: the reference, every FP8 weight dequantized to bf16 (what the
   streaming loader does without NF4).
 
@@ -140,6 +143,8 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
         "fp8-triton": fp8_layer,
     }
     routes = {"fp8-triton": dict(dense="triton"), "nf4": dict(nf4="dequant"), "nf4-fused": dict(nf4="fused")}
+    if args.compile:  # the FP8 layer through torch.compile: the elementwise work between its GEMMs fused
+        variants["fp8-compiled"] = torch.compile(fp8_layer, dynamic=True)
     captured = {}
 
     def capture(part):
@@ -419,6 +424,7 @@ def main() -> None:
     ap.add_argument("--layers", default="moe,dense")
     ap.add_argument("--gemm", action="store_true", help="also time the GEMMs alone")
     ap.add_argument("--profile", action="store_true", help="also profile the FP8 MoE layer's kernels")
+    ap.add_argument("--compile", action="store_true", help="also run the FP8 layer through torch.compile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -449,6 +455,10 @@ def main() -> None:
                 "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
                 "nf4_fused_over_nf4": round(by["nf4"]["ms"] / by["nf4-fused"]["ms"], 2),
             }
+            if "fp8-compiled" in by:
+                summary[f"{kind} {batch}x{seq}"]["fp8_compiled_over_nf4"] = round(
+                    by["nf4"]["ms"] / by["fp8-compiled"]["ms"], 2
+                )
     print(json.dumps(summary, indent=1))
     meta = {
         "device": torch.cuda.get_device_name(device)
