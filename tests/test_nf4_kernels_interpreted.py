@@ -1,6 +1,7 @@
 """The NF4 grouped GEMM (the kit's Triton kernel that reads NF4 expert weights as stored) on CPU, through Triton's
-interpreter (and compiled, in bf16 up to R1's widths, where a GPU is present): each row tile multiplied by its own expert's weights, both directions (forward and the input
-gradient), and NF4 experts giving the same outputs and gradients by either route.
+interpreter (and compiled, in bf16 up to R1's widths, where a GPU is present): each row tile multiplied by its own
+expert's weights, both directions (forward and the input gradient), and NF4 experts giving the same outputs and
+gradients by either route.
 
 The interpreter must be switched on before Triton compiles anything, hence a fresh interpreter per check. Its dot
 misreads a bf16 tile cast in registers, so the kernel multiplies in float32 there (the products of bf16 values are
