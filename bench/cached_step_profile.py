@@ -17,7 +17,9 @@ Before the profile, the step is timed without the profiler (median of
 (``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), and with
 NF4 experts, their weights read each way (``experts_nf4`` routes: dequantized
 by bitsandbytes for ``grouped_mm``, then the kit's NF4 grouped kernel), the two
-alternating run by run, so their ratio comes from one run on one GPU.
+alternating run by run, so their ratio comes from one run on one GPU; and with the
+reference's last hidden states run in the step (the adapted layers a second time,
+adapter off) or handed to it as a reference cache would (``--compare`` picks).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.common import free, layer_compiler, peak_gib, reset_peak, sync
-from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config
+from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config, reference_route
 from dsr1kit.model import experts_nf4
 from dsr1kit.train import vocab_loss
 
@@ -109,6 +111,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--time-iters", type=int, default=10, help="timed steps per loss route (0: no timing)")
     ap.add_argument(
+        "--compare",
+        default="loss,nf4,reference",
+        help="what to time two ways: loss (torch | fused), nf4 (dequant | fused; NF4 experts only), reference "
+        "(run in the step | read from a cache)",
+    )
+    ap.add_argument(
         "--compile", action="store_true", help="also time the adapted layers through torch.compile"
     )
     ap.add_argument(
@@ -125,9 +133,21 @@ def main() -> None:
     for _ in range(3):
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
-    routes = {"loss": compare_routes("loss", model, batch, first, device, args.time_iters)}
-    if args.experts == "nf4":
+    compare = {c.strip() for c in args.compare.split(",") if c.strip()}
+    unknown = compare - {"loss", "nf4", "reference"}
+    if unknown:
+        raise SystemExit(f"--compare: unknown {sorted(unknown)}; choose from loss, nf4, reference")
+    routes = {}
+    if "loss" in compare:
+        routes["loss"] = compare_routes("loss", model, batch, first, device, args.time_iters)
+    if "nf4" in compare and args.experts == "nf4":
         routes["nf4"] = compare_routes("nf4", model, batch, first, device, args.time_iters)
+    if "reference" in compare:
+        switch = reference_route(model, batch, first)
+        routes["reference"] = compare_routes(
+            "reference", model, batch, first, device, args.time_iters, (switch, ("in-step", "cached"))
+        )
+        switch("in-step")  # the profile shows today's step
     experts_nf4.set_route(args.nf4_route)
     if (
         args.compile

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from dsr1kit.model.lora import decoder_layers
-from dsr1kit.train.hari import fast_loss, prefix_forward
+from dsr1kit.train.hari import fast_loss, prefix_forward, reference_states
 
 from .common import (
     CHUNK,
@@ -147,8 +147,27 @@ def token_batch(
     return batch
 
 
+# the reference's last hidden states read from a cache instead of run in the step (``reference_route``)
+_REFERENCE: dict[str, torch.Tensor | None] = {"states": None}
+
+
 def hari_step(model, batch, first_layer: int) -> None:
-    fast_loss(model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK).loss.backward()
+    loss = fast_loss(
+        model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK, ref_hidden=_REFERENCE["states"]
+    )
+    loss.loss.backward()
+
+
+def reference_route(model, batch, first_layer: int):
+    """A switch for ``cached_step_profile.compare_routes``: ``in-step`` runs the adapted layers a second time with
+    the adapter off (today's step); ``cached`` hands the step this batch's reference states, computed once here
+    as a reference cache would hold them."""
+    states = reference_states(model, batch, first_layer)
+
+    def switch(name: str) -> None:
+        _REFERENCE["states"] = states if name == "cached" else None
+
+    return switch
 
 
 def measure_step(model, batch, first_layer: int, seq: int, device, warmup: int, iters: int) -> dict:

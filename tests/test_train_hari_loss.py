@@ -7,7 +7,7 @@ import torch
 from hari_support import adapted_model_and_batch
 
 from dsr1kit import params
-from dsr1kit.train.hari import fast_loss, naive_loss
+from dsr1kit.train.hari import fast_loss, naive_loss, reference_states
 
 
 def _setup(last_k: int):
@@ -70,3 +70,32 @@ def test_kl_uses_the_temperature_and_lambda(setup):
     assert a.kl != pytest.approx(b.kl)
     assert float(a.loss) == pytest.approx(a.ce + 0.5 * 1.0 * a.kl, rel=1e-5)
     assert float(b.loss) == pytest.approx(b.ce + 0.5 * 4.0 * b.kl, rel=1e-5)
+
+
+def test_reference_states_computed_once_give_the_steps_loss_and_gradients(setup):
+    """What a reference cache would hand the step equals what the step computes itself, bit for bit; and the
+    states handed in are what the KL reads (the student's own states give a zero KL)."""
+    model, plan, batch = setup
+    first = min(plan.layers)
+    in_step = fast_loss(model, batch, 0.9, 1.5, first, chunk=7)
+    g_in_step = _grads(model, in_step)
+    states = reference_states(model, batch, first)
+    handed = fast_loss(model, batch, 0.9, 1.5, first, chunk=7, ref_hidden=states)
+    g_handed = _grads(model, handed)
+    assert float(handed.loss) == float(in_step.loss) and handed.kl == in_step.kl
+    assert torch.equal(g_handed, g_in_step)
+    assert in_step.kl > 1e-4
+    student = _student_states(model, batch, first)
+    assert fast_loss(model, batch, 0.9, 1.5, first, chunk=7, ref_hidden=student).kl == pytest.approx(
+        0.0, abs=1e-7
+    )
+    with pytest.raises(ValueError, match="do not match"):
+        fast_loss(model, batch, 0.9, 1.5, first, chunk=7, ref_hidden=states[:, 1:])
+
+
+def _student_states(model, batch, first):
+    from dsr1kit.train.hari import prefix_forward, run_layers
+
+    hidden, args, kwargs = prefix_forward(model, batch, first)
+    with torch.no_grad():
+        return run_layers(model, first, hidden, args, kwargs)

@@ -202,6 +202,15 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     return ce.sum(), kl.sum(), h.grad
 
 
+def reference_states(model, batch: dict[str, torch.Tensor], first_layer: int) -> torch.Tensor:
+    """The reference's last hidden states for ``batch`` ([B, S, H], before the final norm): the adapted layers
+    with the adapter off, as ``fast_loss`` runs them. They depend on the frozen weights and the batch alone, so
+    they can be computed once and handed to every later step on the same batch."""
+    hidden, args, kwargs = prefix_forward(model, batch, first_layer)
+    with torch.no_grad(), model.disable_adapter():
+        return run_layers(model, first_layer, hidden, args, kwargs)
+
+
 def fast_loss(
     model,
     batch: dict[str, torch.Tensor],
@@ -211,12 +220,15 @@ def fast_loss(
     kl_tokens: KlTokens = "all",
     *,
     chunk: int,
+    ref_hidden: torch.Tensor | None = None,
 ) -> LossParts:
     """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks.
 
     The returned loss is a surrogate: its value is the true loss and its
     gradient with respect to the adapted layers' output is the one computed
     chunk by chunk, so ``loss.backward()`` works as for ``naive_loss``.
+    ``ref_hidden`` (``reference_states`` of this batch, computed earlier) saves
+    running the adapted layers a second time with the adapter off.
     """
     # the counts and positions the loss needs, read before the layers run: the step's only other wait for the
     # device comes at its end, so the GPU is not left idle between the layers and the loss
@@ -231,7 +243,13 @@ def fast_loss(
     hidden, args, kwargs = prefix_forward(model, batch, first_layer)
     student = run_layers(model, first_layer, hidden, args, kwargs)
     ref = None
-    if lambda_kl > 0:
+    if lambda_kl > 0 and ref_hidden is not None:
+        if ref_hidden.shape != student.shape:
+            raise ValueError(
+                f"reference states {tuple(ref_hidden.shape)} do not match this batch's {tuple(student.shape)}"
+            )
+        ref = ref_hidden.to(device=student.device, dtype=student.dtype)
+    elif lambda_kl > 0:
         with torch.no_grad(), model.disable_adapter():
             ref = run_layers(model, first_layer, hidden, args, kwargs)
     dev = student.device
