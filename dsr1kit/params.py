@@ -492,6 +492,12 @@ class HariParams(NotebookParams):
     cached_layers_nf4: bool = Field(
         False, description="From the cache, load the adapted layers in NF4 (else in dtype; bf16 on GPUs)"
     )
+    reference_cache: bool = Field(
+        True,
+        description="With a prefix cache and lambda_kl > 0: the KL's reference (the adapted layers with the "
+        "adapter off) computed once per sample and stored beside the prefix cache, so a step runs the adapted "
+        "layers once instead of twice (off: every step computes it)",
+    )
     prefix_precision: Literal["auto", "fp8", "nf4", "bf16"] = Field(
         "auto",
         description="How the prefix pass holds the frozen model: fp8 (an FP8 checkpoint's weights as stored, "

@@ -71,9 +71,77 @@ def test_training_from_the_cache_gives_the_uncached_adapter_and_a_second_run_reu
         "model.layers.2.self_attn.q_a_proj",
         "model.layers.2.self_attn.q_b_proj",
     ]
+    # the KL's reference computed once per sample, beside the prefix cache, and read by every step
+    ref = first["reference_cache"]
+    assert (
+        ref["folder"].startswith(str(cache / "reference"))
+        and ref["samples"] == first["prefix_cache"]["samples"]
+    )
+    assert ref["built_here"]["shards_built"] == ref["shards"] == first["prefix_cache"]["shards"]
     second = _run(tmp_path / "b", prefix_cache=str(cache), prefix_shard_mib=1.0)
     assert second["prefix_cache"]["built_here"] is None  # a cache hit: nothing rebuilt
+    assert second["reference_cache"]["built_here"] is None
     assert _max_relative_difference(_adapter(tmp_path / "a"), _adapter(tmp_path / "b")) == 0.0
+    # each step computing the reference itself gives the same adapter
+    third = _run(tmp_path / "c", prefix_cache=str(cache), prefix_shard_mib=1.0, reference_cache=False)
+    assert third["reference_cache"] is None
+    diff = _max_relative_difference(_adapter(tmp_path / "a"), _adapter(tmp_path / "c"))
+    assert diff <= TOLERANCE, diff
+
+
+def test_reference_states_are_what_a_step_computes_and_a_wrong_one_is_refused(tmp_path, tiny_setup):
+    """The reference pass stores, per sample, the adapted layers' output with the adapter off, as the step
+    computes it on that sample's own batch; a folder holding another run's reference is refused."""
+    from dsr1kit.train.hari import prefix_forward, reference_states, run_layers
+    from dsr1kit.train.loop import collate
+    from dsr1kit.train.prefix.reference import (
+        fill_reference_cache,
+        prepare_reference_layout,
+        reference_fingerprint,
+    )
+
+    model, examples, pad_id, cache = _reference_setup(tmp_path, tiny_setup)
+    folder, fp, built = fill_reference_cache(model, cache, examples, FIRST, pad_id, "adapted layers float32")
+    assert built["shards_built"] == len(cache.layout.shards)
+    ref = prefix.PrefixCache(folder, fp)
+    vocab = model.get_input_embeddings().num_embeddings
+    for i in (0, len(examples) // 2, len(examples) - 1):  # one sample alone, as a step of batch 1 sees it
+        batch = collate([examples[i]], pad_id, vocab)
+        batch["inputs_embeds"] = cache.batch([i], len(examples[i].input_ids))
+        want = reference_states(model, batch, FIRST)[0]
+        assert torch.allclose(ref.hidden(i), want, rtol=1e-5, atol=1e-6), i
+    assert not torch.allclose(ref.hidden(0), cache.hidden(0), atol=1e-3)  # the adapted layers did run
+    batch = collate([examples[0]], pad_id, vocab)
+    batch["inputs_embeds"] = cache.batch([0], len(examples[0].input_ids))
+    hidden, args, kwargs = prefix_forward(model, batch, FIRST)
+    with torch.no_grad():
+        student = run_layers(model, FIRST, hidden, args, kwargs)[0]
+    assert not torch.allclose(ref.hidden(0), student, atol=1e-4)  # with the adapter off
+    with pytest.raises(prefix.PrefixCacheError, match="reference_of_adapted_layers"):
+        prepare_reference_layout(
+            folder, reference_fingerprint(cache.layout.fingerprint, "adapted layers nf4"), cache.layout
+        )
+
+
+FIRST = 2  # the tiny model's last layer is the adapted one
+
+
+def _reference_setup(tmp_path: Path, setup):
+    """A prefix cache of the tiny setup's samples, and a fresh copy of the model with a non-zero adapter."""
+    from dsr1kit.model.load import load_model
+    from dsr1kit.model.lora import apply_lora
+    from dsr1kit.steps.hari_training import load_config, lora_config
+
+    p, tokenizer, examples, base = setup
+    folder = tmp_path / "prefix"
+    layout = _layout(folder, setup)
+    prefix.build(base, examples, folder, layout, FIRST, tokenizer.pad_token_id, progress=False)
+    model, _ = apply_lora(load_model(load_config(p), tokenizer=tokenizer).model, lora_config(p))
+    with torch.no_grad():
+        for name, q in model.named_parameters():
+            if "lora_B" in name:
+                q.normal_(std=0.05)
+    return model, examples, tokenizer.pad_token_id, prefix.PrefixCache(folder)
 
 
 def test_a_cached_run_resumes_from_its_checkpoint_and_may_not_switch_the_cache(tmp_path, uncached):

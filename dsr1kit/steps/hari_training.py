@@ -81,6 +81,21 @@ class PrefixCacheReady:
 
 
 @dataclass
+class ReferenceReady:
+    """The reference's last hidden states for every sample, and what computing this rank's share cost."""
+
+    cache: prefix.PrefixCache
+    built_here: dict[str, Any] | None  # None when every shard was there
+
+    def describe(self) -> str:
+        where = self.cache.directory
+        if not self.built_here:
+            return f"read from {where} (every shard reused)"
+        b = self.built_here
+        return f"{b['tokens']:,} tokens computed at {b['tokens_per_s']:,.0f} tokens/s into {where}"
+
+
+@dataclass
 class Prepared:
     loaded: LoadedModel
     model: Any  # the PeftModel
@@ -88,15 +103,23 @@ class Prepared:
     data: TrainingData
     info: dist.DistInfo
     prefix: PrefixCacheReady | None = None
+    reference: ReferenceReady | None = None
 
     def model_table(self) -> dict[str, Any]:
         """Quantization, placement, memory and exactly which modules carry adapters."""
         lora = lora_summary(self.model, self.plan)
-        return {
+        table = {
             **{k: v for k, v in self.loaded.info.items() if k != "path"},
             "adapted modules": ", ".join(lora["modules"]),
             "trainable parameters": f"{lora['trainable_params']:,} ({lora['trainable_share']:.4%})",
         }
+        if self.prefix is not None:
+            table["KL reference"] = (
+                self.reference.describe()
+                if self.reference
+                else "computed by every step (adapted layers twice)"
+            )
+        return table
 
 
 def setup_dist() -> dist.DistInfo:
@@ -287,12 +310,18 @@ def disk_plan(p, run_dir: Path, free: float | None = None, tokens: tuple[int, st
         else:  # a named folder may hold part of this cache already (a pass cut short)
             folder = prefix.prefix_cache_folder(p.prefix_cache, {})
             held = sum(f.stat().st_size for f in folder.rglob("*.safetensors")) if folder.is_dir() else 0
+        copies = 2 if uses_reference_cache(p) else 1  # the reference's last states beside the prefix's
         writes.append(
             Write(
                 "prefix cache",
                 str(folder),
-                max(0, tokens * per_token - held),
+                max(0, copies * tokens * per_token - held),
                 f"{how} = {tokens:,} tokens × {per_token:,} B (hidden {hidden:,} in {p.dtype})"
+                + (
+                    " × 2 (the states entering the adapted layers, and the KL reference's)"
+                    if copies == 2
+                    else ""
+                )
                 + (f", less {held / 2**30:.1f} GiB already there" if held else ""),
                 "prefix_cache: a folder on a filesystem with room (node-local NVMe: the pass writes each "
                 "shard once and every step reads them)",
@@ -452,7 +481,42 @@ def prepare_model(
         loaded = load_model(load_config(p), rank=info.rank, tokenizer=tokenizer)
     torch.manual_seed(p.seed)  # identical LoRA init on every rank
     model, lora_plan = apply_lora(loaded.model, lora_config(p))
-    return Prepared(loaded, model, lora_plan, data, info, cache)
+    reference = open_reference_cache(p, info, data, model, lora_plan, loaded.tokenizer, cache)
+    return Prepared(loaded, model, lora_plan, data, info, cache, reference)
+
+
+def uses_reference_cache(p) -> bool:
+    return p.prefix_cache != "off" and p.reference_cache and p.lambda_kl > 0
+
+
+def adapted_layers_load(p) -> str:
+    """How the run loads its adapted layers: what, besides the prefix cache, the reference's states depend on."""
+    layers = "nf4" if p.cached_layers_nf4 else p.dtype
+    return f"adapted layers {layers}, linears {p.quantization}, dtype {p.dtype}, remote code {p.trust_remote_code}"
+
+
+def open_reference_cache(
+    p, info: dist.DistInfo, data: TrainingData, model, lora_plan: LoraPlan, tokenizer, cache
+) -> ReferenceReady | None:
+    """With a prefix cache and a KL term: every rank computes its share of the reference's last hidden states
+    (reference_cache), then opens the whole of them. None when there is nothing to cache."""
+    if cache is None or not uses_reference_cache(p):
+        return None
+    from ..train.prefix.reference import fill_reference_cache
+
+    folder, fp, built = fill_reference_cache(
+        model,
+        cache.cache,
+        data.encoded.examples,
+        first_adapted_layer(lora_plan),
+        tokenizer.pad_token_id,
+        adapted_layers_load(p),
+        task=info.rank,
+        tasks=info.world_size,
+        progress=info.is_main,
+    )
+    prefix.wait_for_shards(folder)
+    return ReferenceReady(prefix.PrefixCache(folder, fp), built)
 
 
 def prepare(p) -> Prepared:
@@ -474,6 +538,7 @@ def run_training(prep: Prepared, p) -> TrainResult:
         first_adapted_layer(prep.plan),
         prep.info,
         prefix=prep.prefix.cache if prep.prefix else None,
+        reference=prep.reference.cache if prep.reference else None,
     )
 
 
@@ -532,6 +597,11 @@ def save_outputs(prep: Prepared, p, result: TrainResult, started: float) -> dict
                 "passes": prep.prefix.passes,
             }
             if prep.prefix
+            else None
+        ),
+        "reference_cache": (
+            {**prep.reference.cache.describe(), "built_here": prep.reference.built_here}
+            if prep.reference
             else None
         ),
     }

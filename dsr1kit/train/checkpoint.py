@@ -105,6 +105,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "prefix_tokens_per_batch",
         "prefix_shard_mib",
         "prefix_pipeline",
+        "reference_cache",
     }
 )
 

@@ -286,10 +286,19 @@ def fast_loss(
     return LossParts(loss, ce, kl, n_ce, n_kl)
 
 
-def hari_loss(model, batch, loss: HariLoss, first_layer: int) -> LossParts:
-    """Dispatch on ``loss.impl``."""
+def hari_loss(
+    model, batch, loss: HariLoss, first_layer: int, ref_hidden: torch.Tensor | None = None
+) -> LossParts:
+    """Dispatch on ``loss.impl``; ``ref_hidden``: the reference's last hidden states read from a cache (fast only)."""
     if loss.impl == "naive":
         return naive_loss(model, batch, loss.lambda_kl, loss.kl_temperature, loss.kl_tokens)
     return fast_loss(
-        model, batch, loss.lambda_kl, loss.kl_temperature, first_layer, loss.kl_tokens, chunk=loss.loss_chunk
+        model,
+        batch,
+        loss.lambda_kl,
+        loss.kl_temperature,
+        first_layer,
+        loss.kl_tokens,
+        chunk=loss.loss_chunk,
+        ref_hidden=ref_hidden,
     )

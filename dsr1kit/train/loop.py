@@ -180,9 +180,12 @@ def train(
     first_layer: int,
     info: dist.DistInfo,
     prefix=None,
+    reference=None,
 ) -> TrainResult:
     """HARI over ``examples``; with ``prefix`` (a PrefixCache) each batch enters the model as the cached
-    hidden states of its samples at ``first_layer`` instead of as token ids."""
+    hidden states of its samples at ``first_layer`` instead of as token ids, and with ``reference`` (a
+    PrefixCache of the reference's last hidden states) the step reads the KL's reference instead of running
+    the adapted layers a second time."""
     from transformers import get_scheduler
 
     run_dir = Path(run_dir)
@@ -268,7 +271,8 @@ def train(
 
     def cached_states(step: int, micro: int):
         idx = micro_batch(step, micro)
-        return prefix.batch(idx, max(len(examples[i].input_ids) for i in idx))
+        width = max(len(examples[i].input_ids) for i in idx)
+        return prefix.batch(idx, width), (reference.batch(idx, width) if reference is not None else None)
 
     # with a prefix cache, the next micro-batch's hidden states are read from disk while this one trains
     reader = ThreadPoolExecutor(1, thread_name_prefix="prefix-read") if prefix is not None else None
@@ -283,12 +287,13 @@ def train(
                 idx = micro_batch(step, micro)
                 chosen = [examples[i] for i in idx]
                 batch = collate(chosen, tokenizer.pad_token_id, vocab)
+                ref_hidden = None
                 if ahead is not None:
-                    batch["inputs_embeds"] = ahead.result()
+                    batch["inputs_embeds"], ref_hidden = ahead.result()
                     after = (step, micro + 1) if micro + 1 < cfg.grad_accum else (step + 1, 0)
                     ahead = reader.submit(cached_states, *after) if after[0] < total else None
                 batch = {k: v.to(device) for k, v in batch.items()}
-                parts = hari_loss(model, batch, cfg.loss, first_layer)
+                parts = hari_loss(model, batch, cfg.loss, first_layer, ref_hidden=ref_hidden)
                 if not torch.isfinite(parts.loss):
                     bad = [examples[i].id for i in idx]
                     break
