@@ -101,7 +101,9 @@ def test_reference_states_are_what_a_step_computes_and_a_wrong_one_is_refused(tm
     )
 
     model, examples, pad_id, cache = _reference_setup(tmp_path, tiny_setup)
-    folder, fp, built = fill_reference_cache(model, cache, examples, FIRST, pad_id, "adapted layers float32")
+    folder, fp, built = fill_reference_cache(
+        model, cache, examples, FIRST, pad_id, "adapted layers float32", tokens_per_batch=512
+    )
     assert built["shards_built"] == len(cache.layout.shards)
     ref = prefix.PrefixCache(folder, fp)
     vocab = model.get_input_embeddings().num_embeddings

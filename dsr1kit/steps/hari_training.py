@@ -511,6 +511,7 @@ def open_reference_cache(
         first_adapted_layer(lora_plan),
         tokenizer.pad_token_id,
         adapted_layers_load(p),
+        p.batch_size * p.max_len,  # a training micro-batch at most: what the memory plan checked
         task=info.rank,
         tasks=info.world_size,
         progress=info.is_main,

@@ -62,6 +62,7 @@ def fill_reference_cache(
     first_layer: int,
     pad_id: int,
     adapted: str,
+    tokens_per_batch: int,
     *,
     task: int = 0,
     tasks: int = 1,
@@ -69,6 +70,8 @@ def fill_reference_cache(
 ) -> tuple[Path, dict[str, str], dict | None]:
     """This task's missing shards of the reference cache (shard i belongs to task i % tasks), computed as a step
     computes the reference: micro-batches from the prefix cache, the adapted layers with the adapter off.
+    ``tokens_per_batch`` caps a micro-batch's padded tokens: a training micro-batch's, which the memory plan
+    has checked (its step runs the same forward), so the pass needs no plan of its own.
     Returns (folder, fingerprint, what the pass cost or None when nothing was missing)."""
     fp = reference_fingerprint(prefix.layout.fingerprint, adapted)
     folder = reference_folder(prefix.directory, fp)
@@ -97,7 +100,7 @@ def fill_reference_cache(
     try:
         for shard in todo:
             tensors: dict[str, torch.Tensor] = {}
-            for b in length_batches(shard.lengths, layout.tokens_per_batch):
+            for b in length_batches(shard.lengths, tokens_per_batch):
                 positions = [shard.samples[i] for i in b]
                 chosen = [examples[i] for i in positions]
                 batch = collate(chosen, pad_id, vocab)
