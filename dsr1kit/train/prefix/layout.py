@@ -115,7 +115,7 @@ def check_disk(directory: Path, layout: CacheLayout, todo: list[ShardPlan]) -> i
     return need
 
 
-def _write_layout(directory: Path, layout: CacheLayout) -> None:
+def write_layout(directory: Path, layout: CacheLayout) -> None:
     """Whole or absent, and a private temp name: tasks on several nodes may write it at once (same content)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{INDEX}.", dir=directory)
     with os.fdopen(fd, "w") as f:
@@ -149,5 +149,5 @@ def prepare_layout(
     layout = CacheLayout(
         fp, hidden_size, dtype, tokens_per_batch, plan_shards(examples, tokens_per_batch, shard_tokens)
     )
-    _write_layout(directory, layout)
+    write_layout(directory, layout)
     return layout

@@ -28,7 +28,7 @@ from tqdm.std import tqdm
 from ...data.labels import Encoded, collate
 from ..hari import reference_states
 from .digest import differences, fingerprint_id
-from .layout import INDEX, CacheLayout, PrefixCacheError, _write_layout, check_disk, length_batches
+from .layout import INDEX, CacheLayout, PrefixCacheError, check_disk, length_batches, write_layout
 from .reader import PrefixCache
 
 
@@ -51,7 +51,7 @@ def prepare_reference_layout(folder: Path, fp: dict[str, str], like: CacheLayout
             raise PrefixCacheError(f"{folder} holds reference states for other inputs: {'; '.join(diff)}")
         return layout
     layout = CacheLayout(fp, like.hidden_size, like.dtype, like.tokens_per_batch, like.shards)
-    _write_layout(folder, layout)
+    write_layout(folder, layout)
     return layout
 
 
