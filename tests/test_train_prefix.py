@@ -18,7 +18,7 @@ from dsr1kit import params as P
 from dsr1kit.cluster.rendezvous import free_port
 from dsr1kit.steps.hari_training import prefix_config
 from dsr1kit.train import prefix
-from dsr1kit.train.prefix import writer
+from dsr1kit.train.prefix import shards
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"sample_limit": 96, "max_steps": 8, "save_every": 4, "log_every": 2}
@@ -144,6 +144,46 @@ def _reference_setup(tmp_path: Path, setup):
             if "lora_B" in name:
                 q.normal_(std=0.05)
     return model, examples, tokenizer.pad_token_id, prefix.PrefixCache(folder)
+
+
+def test_a_failed_reference_pass_stops_the_waiting_tasks_and_names_that_pass(
+    tmp_path, tiny_setup, monkeypatch
+):
+    """Task 0's share fails midway: its marker names the reference pass, a task waiting for the whole cache
+    raises that error instead of hanging, and the shards written before the failure stay whole."""
+    from dsr1kit.train.prefix import reference
+
+    model, examples, pad_id, cache = _reference_setup(tmp_path, tiny_setup)
+    calls = {"n": 0}
+    real = reference.reference_states
+
+    def fails_on_the_second_shard(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > len(reference.length_batches(cache.layout.shards[0].lengths, 512)):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "reference_states", fails_on_the_second_shard)
+    assert len(cache.layout.shards) >= 2
+    with pytest.raises(RuntimeError, match="simulated"):
+        reference.fill_reference_cache(model, cache, examples, FIRST, pad_id, "float32", 512, progress=False)
+    folder = reference.reference_folder(
+        cache.directory, reference.reference_fingerprint(cache.layout.fingerprint, "float32")
+    )
+    assert (folder / cache.layout.shards[0].file).is_file()
+    assert not (folder / cache.layout.shards[1].file).is_file()
+    assert not list(folder.glob(".*.tmp"))
+    with pytest.raises(
+        prefix.PrefixCacheError, match=r"the reference pass failed on task0: RuntimeError: CUDA out"
+    ):
+        prefix.wait_for_shards(folder, poll_s=0.01)
+    (folder / "failed-task0").write_text(
+        "RuntimeError: written by an older kit\n"
+    )  # markers that name no pass
+    with pytest.raises(
+        prefix.PrefixCacheError, match=r"the prefix pass failed on task0: RuntimeError: written"
+    ):
+        prefix.wait_for_shards(folder, poll_s=0.01)
 
 
 def test_a_cached_run_resumes_from_its_checkpoint_and_may_not_switch_the_cache(tmp_path, uncached):
@@ -339,7 +379,7 @@ def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monk
 
     folder = tmp_path / "killed"
     layout = _layout(folder, tiny_setup)
-    real_save, calls = writer.save_file, []
+    real_save, calls = shards.save_file, []
 
     def dies_on_the_third_shard(tensors, path, metadata=None):
         calls.append(path)
@@ -348,7 +388,7 @@ def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monk
             raise KeyboardInterrupt("killed")
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(writer, "save_file", dies_on_the_third_shard)
+    monkeypatch.setattr(shards, "save_file", dies_on_the_third_shard)
     with pytest.raises(KeyboardInterrupt):
         prefix.build(model, examples, folder, layout, 2, tokenizer.pad_token_id, progress=False)
     assert len(list(folder.glob("shard-*.safetensors"))) == 2 and list(folder.glob(".shard-*.tmp"))
@@ -357,7 +397,7 @@ def test_a_killed_pass_redoes_only_its_missing_shards(tmp_path, tiny_setup, monk
     ):
         prefix.PrefixCache(folder)
 
-    monkeypatch.setattr(writer, "save_file", real_save)
+    monkeypatch.setattr(shards, "save_file", real_save)
     again = prefix.build(
         model, examples, folder, prefix.CacheLayout.read(folder), 2, tokenizer.pad_token_id, progress=False
     )

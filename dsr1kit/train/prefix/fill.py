@@ -25,6 +25,7 @@ from ...model.load import LoadConfig, load_model, local_checkpoint
 from .. import dist
 from .digest import PrefixConfig, fingerprint, fingerprint_id
 from .layout import CacheLayout, PrefixCacheError, check_disk, missing_shards, prepare_layout
+from .shards import failure_marker, reported_failure
 from .writer import build
 
 
@@ -88,25 +89,20 @@ def fill_prefix_cache(
     check_disk(folder, layout, missing)  # every task's share: they may all write to this one disk
     check_plan()
     loaded = load_model(load, rank=info.rank, tokenizer=tokenizer)
-    failed = folder / f"failed-task{info.rank}"
-    failed.unlink(missing_ok=True)
     try:
-        stats = build(
-            loaded.model,
-            examples,
-            folder,
-            layout,
-            first_layer,
-            tokenizer.pad_token_id,
-            task=info.rank,
-            tasks=info.world_size,
-            pipeline=fill.pipeline,
-            progress=info.is_main,
-        )
-    except BaseException as err:
-        # ranks waiting for this share stop instead of hanging
-        failed.write_text(f"{type(err).__name__}: {err}\n")
-        raise
+        with failure_marker(folder, info.rank, "prefix pass"):  # ranks waiting for this share stop
+            stats = build(
+                loaded.model,
+                examples,
+                folder,
+                layout,
+                first_layer,
+                tokenizer.pad_token_id,
+                task=info.rank,
+                tasks=info.world_size,
+                pipeline=fill.pipeline,
+                progress=info.is_main,
+            )
     finally:
         del loaded
         gc.collect()
@@ -139,10 +135,7 @@ def wait_for_shards(folder: Path, poll_s: float = 2.0) -> None:
     # a marker older than this wait is from an earlier job; its task is redoing its share
     since = time.time() - 60
     while missing_shards(folder, layout):
-        failed = sorted(f for f in folder.glob("failed-task*") if f.stat().st_mtime >= since)
-        if failed:
-            raise PrefixCacheError(
-                f"the prefix pass failed on {failed[0].name.removeprefix('failed-')}: "
-                f"{failed[0].read_text().strip()} (see that rank's log)"
-            )
+        failure = reported_failure(folder, since)
+        if failure:
+            raise PrefixCacheError(f"{failure} (see that rank's log)")
         time.sleep(poll_s)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -123,6 +124,23 @@ def write_layout(directory: Path, layout: CacheLayout) -> None:
     os.replace(tmp, directory / INDEX)
 
 
+def open_layout(
+    directory: Path, fp: dict[str, str], planned: Callable[[], CacheLayout], refusal: str
+) -> CacheLayout:
+    """The layout in ``directory`` when it has one (PrefixCacheError naming the fields if its fingerprint differs:
+    ``refusal`` + the differences), else ``planned()``, written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / INDEX).is_file():
+        layout = CacheLayout.read(directory)
+        diff = differences(layout.fingerprint, fp)
+        if diff:
+            raise PrefixCacheError(refusal.format(directory=directory, diff="; ".join(diff)))
+        return layout
+    layout = planned()
+    write_layout(directory, layout)
+    return layout
+
+
 def prepare_layout(
     directory: str | Path,
     fp: dict[str, str],
@@ -134,20 +152,13 @@ def prepare_layout(
 ) -> CacheLayout:
     """The cache's layout: read when the folder has one (refused if its fingerprint differs), else planned
     and written. Every task plans the same layout from the same inputs, so none waits for another."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if (directory / INDEX).is_file():
-        layout = CacheLayout.read(directory)
-        diff = differences(layout.fingerprint, fp)
-        if diff:
-            raise PrefixCacheError(
-                f"{directory} holds a prefix cache for other inputs: {'; '.join(diff)}. Use another prefix_cache "
-                f"folder ('auto' picks one per fingerprint), or delete this one to rebuild it"
-            )
-        return layout
     shard_tokens = max(1, int(shard_mib * 2**20 / (hidden_size * ELEMENT_BYTES[dtype])))
-    layout = CacheLayout(
-        fp, hidden_size, dtype, tokens_per_batch, plan_shards(examples, tokens_per_batch, shard_tokens)
+    return open_layout(
+        Path(directory),
+        fp,
+        lambda: CacheLayout(
+            fp, hidden_size, dtype, tokens_per_batch, plan_shards(examples, tokens_per_batch, shard_tokens)
+        ),
+        "{directory} holds a prefix cache for other inputs: {diff}. Use another prefix_cache folder ('auto' "
+        "picks one per fingerprint), or delete this one to rebuild it",
     )
-    write_layout(directory, layout)
-    return layout

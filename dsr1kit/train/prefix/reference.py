@@ -17,19 +17,17 @@ prefix pass; a killed pass redoes only its missing shards.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from tqdm.std import tqdm
 
 from ...data.labels import Encoded, collate
 from ..hari import reference_states
-from .digest import differences, fingerprint_id
-from .layout import INDEX, CacheLayout, PrefixCacheError, check_disk, length_batches, write_layout
+from .digest import fingerprint_id
+from .layout import CacheLayout, check_disk, length_batches, open_layout
 from .reader import PrefixCache
+from .shards import failure_marker, remove_stale, shard_progress, write_shard
 
 
 def reference_fingerprint(prefix_fp: dict[str, str], adapted: str) -> dict[str, str]:
@@ -43,16 +41,12 @@ def reference_folder(prefix_folder: str | Path, fp: dict[str, str]) -> Path:
 
 def prepare_reference_layout(folder: Path, fp: dict[str, str], like: CacheLayout) -> CacheLayout:
     """The prefix cache's shard plan under this fingerprint: read when present (refused if it differs)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if (folder / INDEX).is_file():
-        layout = CacheLayout.read(folder)
-        diff = differences(layout.fingerprint, fp)
-        if diff:
-            raise PrefixCacheError(f"{folder} holds reference states for other inputs: {'; '.join(diff)}")
-        return layout
-    layout = CacheLayout(fp, like.hidden_size, like.dtype, like.tokens_per_batch, like.shards)
-    write_layout(folder, layout)
-    return layout
+    return open_layout(
+        folder,
+        fp,
+        lambda: CacheLayout(fp, like.hidden_size, like.dtype, like.tokens_per_batch, like.shards),
+        "{directory} holds reference states for other inputs: {diff}",
+    )
 
 
 def fill_reference_cache(
@@ -84,39 +78,27 @@ def fill_reference_cache(
     device = model.get_input_embeddings().weight.device
     vocab = model.get_input_embeddings().num_embeddings
     dtype = getattr(torch, layout.dtype)
-    failed = folder / f"failed-task{task}"
-    failed.unlink(missing_ok=True)
-    bar = tqdm(
-        total=sum(s.tokens for s in todo),
-        desc=f"reference pass (task {task})",
-        unit="tok",
-        unit_scale=True,
-        disable=not progress,
-        mininterval=2,
-    )
+    remove_stale(folder, todo)
+    bar = shard_progress(todo, "reference pass", task, progress)
     started = time.monotonic()
     was_training = model.training
     model.train()  # the mode a step computes the reference in
     try:
-        for shard in todo:
-            tensors: dict[str, torch.Tensor] = {}
-            for b in length_batches(shard.lengths, tokens_per_batch):
-                positions = [shard.samples[i] for i in b]
-                chosen = [examples[i] for i in positions]
-                batch = collate(chosen, pad_id, vocab)
-                batch["inputs_embeds"] = prefix.batch(positions, batch["input_ids"].shape[1])
-                batch = {k: v.to(device) for k, v in batch.items()}
-                states = reference_states(model, batch, first_layer)
-                for row, i in enumerate(positions):
-                    n = len(examples[i].input_ids)
-                    tensors[str(i)] = states[row, :n].to(device="cpu", dtype=dtype).contiguous()
-                bar.update(sum(len(e.input_ids) for e in chosen))
-            tmp = folder / f".{shard.file}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp), metadata={"first_adapted_layer": str(first_layer)})
-            tmp.replace(folder / shard.file)  # whole or absent: a kill before this line redoes the shard
-    except BaseException as err:
-        failed.write_text(f"{type(err).__name__}: {err}\n")  # tasks waiting for this share stop
-        raise
+        with failure_marker(folder, task, "reference pass"):  # tasks waiting for this share stop
+            for shard in todo:
+                tensors: dict[str, torch.Tensor] = {}
+                for b in length_batches(shard.lengths, tokens_per_batch):
+                    positions = [shard.samples[i] for i in b]
+                    chosen = [examples[i] for i in positions]
+                    batch = collate(chosen, pad_id, vocab)
+                    batch["inputs_embeds"] = prefix.batch(positions, batch["input_ids"].shape[1])
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    states = reference_states(model, batch, first_layer)
+                    for row, i in enumerate(positions):
+                        n = len(examples[i].input_ids)
+                        tensors[str(i)] = states[row, :n].to(device="cpu", dtype=dtype).contiguous()
+                    bar.update(sum(len(e.input_ids) for e in chosen))
+                write_shard(folder, shard, tensors, first_layer)
     finally:
         model.train(was_training)
         bar.close()

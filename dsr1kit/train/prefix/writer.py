@@ -11,7 +11,6 @@ shards that are missing.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -22,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from tqdm.std import tqdm
 
 from ...data.labels import Encoded, collate
 from ...model.lora import decoder_layers
 from ..hari import prefix_forward, run_layers
 from .layout import CacheLayout, check_disk, length_batches
+from .shards import remove_stale, shard_progress, write_shard
 
 
 def stage_bounds(model, first_layer: int, stages: int | None = None) -> list[int]:
@@ -203,9 +201,7 @@ def build(
     )
     if not todo:
         return stats
-    for shard in todo:  # a shard half-written by a killed pass of this task
-        for stale in directory.glob(f".{shard.file}.*.tmp"):
-            stale.unlink(missing_ok=True)
+    remove_stale(directory, todo)
     check_disk(directory, layout, todo)
     bounds = stage_bounds(model, first_layer, stages)
     stats.stages = bounds
@@ -223,14 +219,7 @@ def build(
         if pipeline and len(bounds) > 2
         else sequential_pass(model, batches, first_layer, pad_id)
     )
-    bar = tqdm(
-        total=sum(s.tokens for s in todo),
-        desc=f"prefix pass (task {task})",
-        unit="tok",
-        unit_scale=True,
-        disable=not progress,
-        mininterval=2,
-    )
+    bar = shard_progress(todo, "prefix pass", task, progress)
     started = time.monotonic()
     model.eval()
     tensors: dict[str, torch.Tensor] = {}
@@ -245,9 +234,7 @@ def build(
         if left[k]:
             continue
         shard = todo[k]
-        tmp = directory / f".{shard.file}.{os.getpid()}.tmp"
-        save_file(tensors, str(tmp), metadata={"first_adapted_layer": str(first_layer)})
-        tmp.replace(directory / shard.file)  # whole or absent: a kill before this line redoes the shard
+        write_shard(directory, shard, tensors, first_layer)
         tensors = {}
         stats.shards_built += 1
         stats.tokens_built += shard.tokens

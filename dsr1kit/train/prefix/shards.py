@@ -1,0 +1,73 @@
+"""Writing a cache's shards, shared by the prefix pass and the reference pass.
+
+A shard is whole or absent (written under a temp name, then renamed), so a
+killed pass redoes only its missing shards. A task whose share fails leaves a
+``failed-task<r>`` marker naming the pass, so that the tasks waiting for the
+whole cache stop with that error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.std import tqdm
+
+from .layout import ShardPlan
+
+
+def shard_progress(todo: list[ShardPlan], what: str, task: int, progress: bool) -> tqdm:
+    """A bar over the tokens of the shards this task writes."""
+    return tqdm(
+        total=sum(s.tokens for s in todo),
+        desc=f"{what} (task {task})",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        mininterval=2,
+    )
+
+
+def remove_stale(directory: Path, todo: list[ShardPlan]) -> None:
+    """Temp files of shards a killed pass of this task had half written."""
+    for shard in todo:
+        for stale in directory.glob(f".{shard.file}.*.tmp"):
+            stale.unlink(missing_ok=True)
+
+
+def write_shard(
+    directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], first_layer: int
+) -> None:
+    tmp = directory / f".{shard.file}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp), metadata={"first_adapted_layer": str(first_layer)})
+    tmp.replace(directory / shard.file)  # whole or absent: a kill before this line redoes the shard
+
+
+@contextmanager
+def failure_marker(directory: Path, task: int, what: str) -> Iterator[None]:
+    """Clears this task's old marker; an error inside writes a new one (the pass's name, then the error)."""
+    marker = directory / f"failed-task{task}"
+    marker.unlink(missing_ok=True)
+    try:
+        yield
+    except BaseException as err:
+        marker.write_text(f"{what}\n{type(err).__name__}: {err}\n")
+        raise
+
+
+def reported_failure(directory: Path, since: float) -> str | None:
+    """'the <pass> failed on task<r>: <error>' for the first marker written after ``since``, else None."""
+    markers = sorted(f for f in directory.glob("failed-task*") if f.stat().st_mtime >= since)
+    if not markers:
+        return None
+    what, _, error = markers[0].read_text().strip().partition("\n")
+    if not error:  # a marker written before markers named their pass
+        what, error = "prefix pass", what
+    return f"the {what} failed on {markers[0].name.removeprefix('failed-')}: {error}"
+
+
+__all__ = ["failure_marker", "remove_stale", "reported_failure", "shard_progress", "write_shard"]
