@@ -148,12 +148,12 @@ def token_batch(
 
 
 # the reference's last hidden states read from a cache instead of run in the step (``reference_route``)
-_REFERENCE: dict[str, torch.Tensor | None] = {"states": None}
+REFERENCE: dict[str, torch.Tensor | None] = {"states": None}
 
 
 def hari_step(model, batch, first_layer: int) -> None:
     loss = fast_loss(
-        model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK, ref_hidden=_REFERENCE["states"]
+        model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK, ref_hidden=REFERENCE["states"]
     )
     loss.loss.backward()
 
@@ -165,7 +165,7 @@ def reference_route(model, batch, first_layer: int):
     states = reference_states(model, batch, first_layer)
 
     def switch(name: str) -> None:
-        _REFERENCE["states"] = states if name == "cached" else None
+        REFERENCE["states"] = states if name == "cached" else None
 
     return switch
 

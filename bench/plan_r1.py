@@ -52,7 +52,7 @@ import torch
 from dsr1kit.model.lora import decoder_layers
 from dsr1kit.plan import GIB, Machine, hari_plan_for_config, prefix_pass_plan
 from dsr1kit.plan.inventory import inventory, strip_quantization
-from dsr1kit.train.hari import fast_loss, prefix_forward
+from dsr1kit.train.hari import fast_loss, prefix_forward, reference_states
 
 from .common import (
     CHUNK,
@@ -71,7 +71,7 @@ from .common import (
     tiny_config,
     training_inputs,
 )
-from .hari_cached import build_one_device, hari_step
+from .hari_cached import REFERENCE, build_one_device, hari_step
 
 GRID = "1x2048,1x4096,2x4096,1x8192,4x4096,1x16384"
 H200_BYTES = 139.8 * GIB  # what torch reports for an H200 (the plan's "fits" only; the rows do not use it)
@@ -176,8 +176,19 @@ def token_batch(config, batch: int, seq: int, device) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def measure_cached(model, config, batch: int, seq: int, device) -> dict:
+def measure_cached(model, config, batch: int, seq: int, device, reference: str = "in-step") -> dict:
+    """The step's peak; with ``reference="cached"`` the batch's reference states are computed first and held
+    (as the step holds those read from the reference cache), so the peak counts them."""
     data = cached_batch(config, batch, seq, device)
+    ref_hidden = reference_states(model, data, 0) if reference == "cached" else None
+    REFERENCE["states"] = ref_hidden
+    try:
+        return _measure_cached(model, data, batch, seq, device, ref_hidden)
+    finally:
+        REFERENCE["states"] = None
+
+
+def _measure_cached(model, data, batch: int, seq: int, device, ref_hidden) -> dict:
     hari_step(model, data, 0)  # warm-up, and the proof that it trains
     check_lora_grads(model, f"cached {batch}x{seq}")
     model.zero_grad(set_to_none=True)
@@ -195,7 +206,7 @@ def measure_cached(model, config, batch: int, seq: int, device) -> dict:
     phases.watch(norm, "final_norm")
     try:
         phases.mark("start")
-        loss = fast_loss(model, data, LAMBDA, T, 0, kl_tokens="all", chunk=CHUNK).loss
+        loss = fast_loss(model, data, LAMBDA, T, 0, kl_tokens="all", chunk=CHUNK, ref_hidden=ref_hidden).loss
         phases.mark("loss computed")
         loss.backward()
         phases.mark("backward done")
@@ -277,11 +288,14 @@ def run_part(what: str, experts: str, grid, args, device, gpu_bytes: float) -> l
         del model
         free(device)
         return rows
-    measure = measure_cached if what == "cached" else measure_prefix
     for r in rows:
         r.update(build_s=build_s, gib_after_build=after_build)
         try:
-            r.update(measure(model, config, r["batch"], r["seq"], device))
+            if what == "cached":
+                r["reference"] = args.reference
+                r.update(measure_cached(model, config, r["batch"], r["seq"], device, args.reference))
+            else:
+                r.update(measure_prefix(model, config, r["batch"], r["seq"], device))
             if r["measured_gib"]:
                 r["plan_over_measured"] = round(r["plan_gib"] / r["measured_gib"], 3)
             else:
@@ -336,6 +350,12 @@ def main() -> None:
         "--grid", default=None, help=f"batch x seq points (default {GRID}; 1x64,2x64 with --tiny)"
     )
     ap.add_argument("--what", default="cached,prefix", help="cached, prefix or both")
+    ap.add_argument(
+        "--reference",
+        default="cached",
+        choices=("cached", "in-step"),
+        help="the cached step's KL reference: read from its cache (the kit's default) or run in the step",
+    )
     ap.add_argument("--replan", default=None, help="a measured JSON: recompute its plan columns (no GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
