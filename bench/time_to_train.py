@@ -3,7 +3,7 @@
     python -m bench.time_to_train --measured docs/results/hari_cached.h200.json
     python -m bench.time_to_train --measured hari_cached.json --tokens 53.7e6 --nodes 2 --gpus-per-node 8 --epochs 10
     python -m bench.time_to_train --prefix-fp8 docs/results/prefix_fp8.h100.json \
-        --cached-step docs/results/cached_profile_fused.bf16.h100.json    # the latest kernels' rates
+        --cached-step docs/results/cached_profile_reference_cached.bf16.h100.json    # the latest kernels' rates
 
 Nothing runs on a GPU here: the rates come from ``bench.hari_cached``'s JSON
 (one H200, R1 widths) and the whole-model step from the 61-layer run on 4 H200s
@@ -19,7 +19,10 @@ Paths compared:
 - prefix cache: epoch 1 runs the prefix pass once (forward only, NF4, or FP8
   as stored with ``--prefix-fp8``; the node's GPUs as a wavefront: ideal = every GPU busy; worst = one at a time,
   which is what an unpipelined device_map gives), then every epoch trains with
-  one process per GPU on the cached states (the bf16 last layer).
+  one process per GPU on the cached states (the bf16 last layer). With a
+  ``--cached-step`` JSON that times the KL's reference both ways, epoch 1 also
+  runs the reference pass (the adapted layers forward, once per sample, every
+  GPU on its share), and the cache holds and reads twice the bytes.
 """
 
 from __future__ import annotations
@@ -46,17 +49,37 @@ def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
     return rate
 
 
-def cached_step_rate(path: Path, lines: list[str]) -> float:
-    """Tokens/s per GPU of the cached step from bench.cached_step_profile's JSON (timed without the profiler,
-    the vocabulary loss fused)."""
+def cached_step_rate(path: Path, lines: list[str]) -> tuple[float, float | None, float | None]:
+    """Tokens/s per GPU of the cached step from bench.cached_step_profile's JSON (timed without the profiler),
+    and, where the JSON times the KL's reference both ways, tokens/s per GPU of the reference pass and of the
+    step that runs the reference itself (``reference_cache: false``).
+
+    With ``--compare reference`` the step is the kit's default one (the reference read from its cache); the
+    difference between the two timings is the adapted layers' reference forward, which the reference pass
+    runs once per sample instead of once per step."""
     f = json.loads(path.read_text())["summary"]
     routes = f["timed_without_profiler"]
+    if "reference" in routes:
+        ref = routes["reference"]
+        timed, in_step = ref["cached"], ref["in-step"]
+        forward_ms = in_step["ms_per_step"] - timed["ms_per_step"]
+        ref_rate = f["seq"] / (forward_ms / 1e3)
+        lines.append(
+            f"cached step ({f['device']}, {f['experts']} experts, reference read from its cache): "
+            f"{timed['ms_per_step']} ms per {f['seq']:,} tokens = {timed['tokens_per_s']:,.0f} tokens/s per GPU"
+        )
+        lines.append(
+            f"reference pass (once per sample): the step with its reference in it takes {in_step['ms_per_step']} "
+            f"ms, so the reference forward is {forward_ms:.2f} ms per {f['seq']:,} tokens = {ref_rate:,.0f} "
+            f"tokens/s per GPU"
+        )
+        return timed["tokens_per_s"], ref_rate, in_step["tokens_per_s"]
     timed = (routes["loss"] if "loss" in routes else routes)["fused"]  # runs before the NF4 routes were timed
     lines.append(
         f"cached step ({f['device']}, {f['experts']} experts, fused vocabulary loss): {timed['ms_per_step']} ms "
         f"per {f['seq']:,} tokens = {timed['tokens_per_s']:,.0f} tokens/s per GPU"
     )
-    return timed["tokens_per_s"]
+    return timed["tokens_per_s"], None, None
 
 
 def main() -> None:
@@ -123,9 +146,18 @@ def main() -> None:
         f"prefix pass, one GPU at a time per node: {nodes} × {prefix_gpu:,.0f} = {serial_rate:,.0f} tokens/s; "
         f"{tokens:,.0f} / {serial_rate:,.0f} = {serial:,.0f} s"
     )
-    step_gpu = cached["tokens_per_s"]
+    step_gpu, ref_gpu, in_step_gpu = cached["tokens_per_s"], None, None
     if args.cached_step:
-        step_gpu = cached_step_rate(Path(args.cached_step), lines)
+        step_gpu, ref_gpu, in_step_gpu = cached_step_rate(Path(args.cached_step), lines)
+    ideal_prefix_only, prefix_bpt = ideal, bpt
+    if ref_gpu:  # the reference pass: once, after the prefix pass, every GPU on its share
+        reference = tokens / (gpus * ref_gpu)
+        lines.append(
+            f"reference pass: {tokens:,.0f} / ({gpus} GPUs × {ref_gpu:,.0f} tokens/s) = {reference:,.0f} s, "
+            f"once; its states are read beside the prefix's"
+        )
+        ideal, serial = ideal + reference, serial + reference
+        bpt *= 2
     train_rate = gpus * step_gpu
     train_epoch = tokens / train_rate
     lines.append(
@@ -134,8 +166,9 @@ def main() -> None:
     )
     size = tokens * bpt
     read = step_gpu * bpt * gpn
+    what = "prefix + reference states" if ref_gpu else "prefix states"
     lines.append(
-        f"cache: {tokens:,.0f} tokens × {bpt:,} B = {size / 1e9:,.0f} GB; read at {gpn} × "
+        f"cache ({what}): {tokens:,.0f} tokens × {bpt:,} B = {size / 1e9:,.0f} GB; read at {gpn} × "
         f"{step_gpu:,.0f} × {bpt:,} B = {read / 1e9:.1f} GB/s per node to keep the GPUs busy"
     )
     disk_epoch = max(train_epoch, size / nodes / (args.read_gbps * 1e9))
@@ -143,6 +176,14 @@ def main() -> None:
         f"cached epoch on a disk of {args.read_gbps} GB/s per node: max({train_epoch:,.0f} s, "
         f"{size / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = {disk_epoch:,.0f} s"
     )
+    if in_step_gpu:  # reference_cache: false reads the prefix states alone and runs the reference in the step
+        in_step_epoch = tokens / (gpus * in_step_gpu)
+        in_step_disk = max(in_step_epoch, tokens * prefix_bpt / nodes / (args.read_gbps * 1e9))
+        lines.append(
+            f"reference in the step (reference_cache: false): epoch = {tokens:,.0f} / ({gpus} × "
+            f"{in_step_gpu:,.0f}) = {in_step_epoch:,.0f} s; on that disk max({in_step_epoch:,.0f} s, "
+            f"{tokens * prefix_bpt / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = {in_step_disk:,.0f} s"
+        )
     for line in lines:
         print("  " + line)
 
@@ -159,6 +200,14 @@ def main() -> None:
             disk_epoch,
         ),
     ]
+    if in_step_gpu:
+        rows.append(
+            (
+                f"prefix cache, wavefront ideal, cache read at {args.read_gbps} GB/s per node, reference in the step",
+                ideal_prefix_only + in_step_disk,
+                in_step_disk,
+            )
+        )
     for name, first, further in rows:
         total = first + (epochs - 1) * further
         print(f"| {name} | {hours(first)} | {hours(further)} | {hours(total)} | {total_whole / total:.1f}× |")

@@ -275,12 +275,18 @@ def _bench_gpu(row: dict, gpu_bytes: float = 141 * GIB):
     return prefix_pass_plan(inputs, machine, inv, advise=False).devices[0]
 
 
-def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent():
-    """Every row of bench/plan_r1.py's run (docs/results/plan_r1.h100.json: bf16 and NF4 experts, the cached
-    step and a prefix micro-batch, 2k-16k tokens) against the plan the formulas give now: >= 1.0 and <= 1.10."""
-    measured = json.loads((ROOT / "docs" / "results" / "plan_r1.h100.json").read_text())
+@pytest.mark.parametrize(
+    "results, count",
+    [("plan_r1.h100.json", 24), ("plan_r1.reference_cached.h100.json", 12)],
+)
+def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(results, count):
+    """Every row of a bench/plan_r1.py run against the plan the formulas give now: >= 1.0 and <= 1.10.
+    plan_r1.h100.json: bf16 and NF4 experts, the cached step (reference run in the step) and a prefix
+    micro-batch, 2k-16k tokens; plan_r1.reference_cached.h100.json: the cached step as the kit runs it by
+    default, its reference states read from the reference cache and held through the step."""
+    measured = json.loads((ROOT / "docs" / "results" / results).read_text())
     rows = [r for r in measured["rows"] if r.get("measured_gib")]
-    assert len(rows) == 24
+    assert len(rows) == count
     for r in rows:
         gpu = _bench_gpu(r, measured["gpu_bytes"])
         ratio = (gpu.total - gpu.parts["runtime"]) / GIB / r["measured_gib"]
