@@ -196,6 +196,10 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
             row["fp8_modules"] = replaced
         if device.type == "cuda" and (batch, seq) == args.shapes[0]:
             rows[-1]["kernel_checks"] = kernel_checks(fp8_layer, hidden[:1, : min(seq, 2048)])
+    if args.compile:  # how often dynamo compiled and where it broke the graph (the FP8 GEMMs are meant to)
+        from torch._dynamo.utils import counters
+
+        rows[-1]["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
     model.model.layers[0] = layer
     del model, variants, layer, nf4_layer, fp8_layer
     free(device)

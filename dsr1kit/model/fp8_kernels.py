@@ -257,6 +257,7 @@ def _torch_blockwise(q, s, weight, scale_inv, out_dtype):
     return None
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, not a trace into Triton's autotuner
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for e4m3 ``weight`` [N, K] with ``scale_inv`` [ceil(N/128), ceil(K/128)]; x's dtype out."""
     _check_weight(weight, scale_inv)
@@ -308,6 +309,7 @@ def _launch(a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, r
     )
 
 
+@torch.compiler.disable
 def experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
