@@ -193,6 +193,7 @@ if INTERPRETING:  # no autotuner without a GPU driver
 else:
     _gemm_dense = triton.autotune(configs=_configs((64, 128)), key=["N", "K"])(_gemm)
     _gemm_grouped = triton.autotune(configs=_configs((BLOCK_M_GROUPED,)), key=["N", "K", "GROUPED"])(_gemm)
+untuned_gemm = _gemm  # the GEMM without the autotuner: bench/fp8_expert_tiles.py sweeps its tiles
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
