@@ -20,6 +20,8 @@ by bitsandbytes for ``grouped_mm``, then the kit's NF4 grouped kernel), the two
 alternating run by run, so their ratio comes from one run on one GPU; and with the
 reference's last hidden states run in the step (the adapted layers a second time,
 adapter off) or handed to it as a reference cache would (``--compare`` picks).
+With ``reference`` compared, the profile shows the step with the reference
+read from the cache, as the kit runs it by default.
 """
 
 from __future__ import annotations

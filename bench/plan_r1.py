@@ -1,6 +1,7 @@
 """The kit's memory plan against measured peaks at R1 widths: the cached HARI step and a prefix-pass micro-batch.
 
     python -m bench.plan_r1 --out plan_r1.json                                  # one H100 or H200 (~1 min with builds)
+    python -m bench.plan_r1 --reference in-step --out p.json                    # as results/plan_r1.h100.json was run
     python -m bench.plan_r1 --experts bf16 --grid 1x4096,1x16384 --out p.json   # a part of the grid
     python -m bench.plan_r1 --replan plan_r1.json --out plan_r1.json            # the plan again, on a CPU
     python -m bench.plan_r1 --device cpu --tiny --out /tmp/p.json               # smoke test (no measured peaks)
@@ -13,7 +14,10 @@ For each experts kind (``--experts``) and each batch × seq of ``--grid``:
   ``inputs_embeds`` with a random bf16 hidden state [batch, seq, 7168]; the
   kit's HARI fast path (λ=0.9, T=1.5, KL over all tokens, CE on the second
   half, loss chunk 1024), LoRA r=4 on q_a_proj/q_b_proj; forward + backward,
-  no optimizer. Beside it the kit's plan of that step: ``hari_plan_for_config``
+  no optimizer. ``--reference cached`` (the default, as the kit runs with a
+  reference cache) computes the batch's reference states first and holds
+  them through the step, which then reads them; ``in-step`` runs the adapted
+  layer a second time with the adapter off. Beside it the kit's plan of that step: ``hari_plan_for_config``
   with ``from_prefix_cache`` (``_cached_hari_plan``), batch_size × max_len.
 - **prefix micro-batch**: one micro-batch of the prefix pass, forward only
   under no_grad, from input_ids: ``prefix_forward`` through the embeddings,

@@ -144,6 +144,9 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
     }
     routes = {"fp8-triton": dict(dense="triton"), "nf4": dict(nf4="dequant"), "nf4-fused": dict(nf4="fused")}
     if args.compile:  # the FP8 layer through torch.compile: the elementwise work between its GEMMs fused
+        from torch._dynamo.utils import counters
+
+        counters.clear()  # this layer kind's compiles and graph breaks only
         variants["fp8-compiled"] = torch.compile(fp8_layer, dynamic=True)
     captured = {}
 

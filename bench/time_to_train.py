@@ -150,11 +150,16 @@ def main() -> None:
     if args.cached_step:
         step_gpu, ref_gpu, in_step_gpu = cached_step_rate(Path(args.cached_step), lines)
     ideal_prefix_only, prefix_bpt = ideal, bpt
+    reference = reference_disk = 0.0
     if ref_gpu:  # the reference pass: once, after the prefix pass, every GPU on its share
         reference = tokens / (gpus * ref_gpu)
+        moved = 2 * tokens * prefix_bpt  # it reads the prefix states and writes as many reference states
+        reference_disk = max(reference, moved / nodes / (args.read_gbps * 1e9))
         lines.append(
             f"reference pass: {tokens:,.0f} / ({gpus} GPUs × {ref_gpu:,.0f} tokens/s) = {reference:,.0f} s, "
-            f"once; its states are read beside the prefix's"
+            f"once; on a disk of {args.read_gbps} GB/s per node it reads and writes {moved / 1e9:,.0f} GB: "
+            f"max({reference:,.0f} s, {moved / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = "
+            f"{reference_disk:,.0f} s"
         )
         ideal, serial = ideal + reference, serial + reference
         bpt *= 2
@@ -184,6 +189,12 @@ def main() -> None:
             f"{in_step_gpu:,.0f}) = {in_step_epoch:,.0f} s; on that disk max({in_step_epoch:,.0f} s, "
             f"{tokens * prefix_bpt / 1e9:,.0f} GB / {nodes} nodes / {args.read_gbps} GB/s) = {in_step_disk:,.0f} s"
         )
+        # reading both copies beats computing the reference while the disk delivers both in the step-only time
+        even = 2 * prefix_bpt * gpn * in_step_gpu
+        lines.append(
+            f"the reference cache saves time per epoch where the disk reads more than {gpn} × {in_step_gpu:,.0f} "
+            f"× {2 * prefix_bpt:,} B = {even / 1e9:.1f} GB/s per node (below that, reference_cache: false is faster)"
+        )
     for line in lines:
         print("  " + line)
 
@@ -196,7 +207,7 @@ def main() -> None:
         ("prefix cache, no overlap in the pass", serial + train_epoch, train_epoch),
         (
             f"prefix cache, wavefront ideal, cache read at {args.read_gbps} GB/s per node",
-            ideal + disk_epoch,
+            ideal_prefix_only + reference_disk + disk_epoch,
             disk_epoch,
         ),
     ]

@@ -276,10 +276,10 @@ def _bench_gpu(row: dict, gpu_bytes: float = 141 * GIB):
 
 
 @pytest.mark.parametrize(
-    "results, count",
-    [("plan_r1.h100.json", 24), ("plan_r1.reference_cached.h100.json", 12)],
+    "results, count, reference",
+    [("plan_r1.h100.json", 24, None), ("plan_r1.reference_cached.h100.json", 12, "cached")],
 )
-def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(results, count):
+def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(results, count, reference):
     """Every row of a bench/plan_r1.py run against the plan the formulas give now: >= 1.0 and <= 1.10.
     plan_r1.h100.json: bf16 and NF4 experts, the cached step (reference run in the step) and a prefix
     micro-batch, 2k-16k tokens; plan_r1.reference_cached.h100.json: the cached step as the kit runs it by
@@ -287,6 +287,7 @@ def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(result
     measured = json.loads((ROOT / "docs" / "results" / results).read_text())
     rows = [r for r in measured["rows"] if r.get("measured_gib")]
     assert len(rows) == count
+    assert all(r.get("reference") == reference for r in rows if r["what"] == "cached")
     for r in rows:
         gpu = _bench_gpu(r, measured["gpu_bytes"])
         ratio = (gpu.total - gpu.parts["runtime"]) / GIB / r["measured_gib"]

@@ -150,7 +150,8 @@ def test_a_failed_reference_pass_stops_the_waiting_tasks_and_names_that_pass(
     tmp_path, tiny_setup, monkeypatch
 ):
     """Task 0's share fails midway: its marker names the reference pass, a task waiting for the whole cache
-    raises that error instead of hanging, and the shards written before the failure stay whole."""
+    raises that error instead of hanging, and the shards written before the failure stay whole; the rerun
+    removes a half-written shard's temp file and builds only what is missing."""
     from dsr1kit.train.prefix import reference
 
     model, examples, pad_id, cache = _reference_setup(tmp_path, tiny_setup)
@@ -170,20 +171,28 @@ def test_a_failed_reference_pass_stops_the_waiting_tasks_and_names_that_pass(
     folder = reference.reference_folder(
         cache.directory, reference.reference_fingerprint(cache.layout.fingerprint, "float32")
     )
-    assert (folder / cache.layout.shards[0].file).is_file()
-    assert not (folder / cache.layout.shards[1].file).is_file()
-    assert not list(folder.glob(".*.tmp"))
+    first, second = (folder / cache.layout.shards[k].file for k in (0, 1))
+    assert first.is_file() and not second.is_file()
     with pytest.raises(
         prefix.PrefixCacheError, match=r"the reference pass failed on task0: RuntimeError: CUDA out"
     ):
         prefix.wait_for_shards(folder, poll_s=0.01)
-    (folder / "failed-task0").write_text(
-        "RuntimeError: written by an older kit\n"
-    )  # markers that name no pass
-    with pytest.raises(
-        prefix.PrefixCacheError, match=r"the prefix pass failed on task0: RuntimeError: written"
-    ):
+    (folder / "failed-task0").write_text("RuntimeError: written by an older kit\n")  # names no pass
+    with pytest.raises(prefix.PrefixCacheError, match=r"a pass failed on task0: RuntimeError: written"):
         prefix.wait_for_shards(folder, poll_s=0.01)
+
+    # the rerun: the half-written shard a kill left is removed, the whole one is kept, the marker cleared
+    stale = folder / f".{second.name}.99999.tmp"
+    stale.write_bytes(b"half a shard")
+    kept = first.stat().st_mtime_ns
+    monkeypatch.setattr(reference, "reference_states", real)
+    _, _, built = reference.fill_reference_cache(
+        model, cache, examples, FIRST, pad_id, "float32", 512, progress=False
+    )
+    assert built["shards_built"] == len(cache.layout.shards) - 1
+    assert not stale.exists() and not (folder / "failed-task0").exists()
+    assert first.stat().st_mtime_ns == kept
+    prefix.wait_for_shards(folder, poll_s=0.01)
 
 
 def test_a_cached_run_resumes_from_its_checkpoint_and_may_not_switch_the_cache(tmp_path, uncached):

@@ -152,13 +152,16 @@ def prepare_layout(
 ) -> CacheLayout:
     """The cache's layout: read when the folder has one (refused if its fingerprint differs), else planned
     and written. Every task plans the same layout from the same inputs, so none waits for another."""
-    shard_tokens = max(1, int(shard_mib * 2**20 / (hidden_size * ELEMENT_BYTES[dtype])))
+
+    def planned() -> CacheLayout:
+        shard_tokens = max(1, int(shard_mib * 2**20 / (hidden_size * ELEMENT_BYTES[dtype])))
+        shards = plan_shards(examples, tokens_per_batch, shard_tokens)
+        return CacheLayout(fp, hidden_size, dtype, tokens_per_batch, shards)
+
     return open_layout(
         Path(directory),
         fp,
-        lambda: CacheLayout(
-            fp, hidden_size, dtype, tokens_per_batch, plan_shards(examples, tokens_per_batch, shard_tokens)
-        ),
+        planned,
         "{directory} holds a prefix cache for other inputs: {diff}. Use another prefix_cache folder ('auto' "
         "picks one per fingerprint), or delete this one to rebuild it",
     )

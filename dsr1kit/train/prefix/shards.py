@@ -55,19 +55,29 @@ def failure_marker(directory: Path, task: int, what: str) -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        marker.write_text(f"{what}\n{type(err).__name__}: {err}\n")
+        tmp = (
+            directory / f".{marker.name}.{os.getpid()}.tmp"
+        )  # whole or absent: a waiting task may read it now
+        tmp.write_text(f"{what}\n{type(err).__name__}: {err}\n")
+        tmp.replace(marker)
         raise
 
 
 def reported_failure(directory: Path, since: float) -> str | None:
     """'the <pass> failed on task<r>: <error>' for the first marker written after ``since``, else None."""
-    markers = sorted(f for f in directory.glob("failed-task*") if f.stat().st_mtime >= since)
-    if not markers:
-        return None
-    what, _, error = markers[0].read_text().strip().partition("\n")
-    if not error:  # a marker written before markers named their pass
-        what, error = "prefix pass", what
-    return f"the {what} failed on {markers[0].name.removeprefix('failed-')}: {error}"
+    for marker in sorted(directory.glob("failed-task*")):
+        try:  # a restarting task removes its old marker: gone between the listing and the read is no failure
+            if marker.stat().st_mtime < since:
+                continue
+            text = marker.read_text().strip()
+        except FileNotFoundError:
+            continue
+        what, _, error = text.partition("\n")
+        task = marker.name.removeprefix("failed-")
+        if not error:  # a marker written before markers named their pass
+            return f"a pass failed on {task}: {what}"
+        return f"the {what} failed on {task}: {error}"
+    return None
 
 
 __all__ = ["failure_marker", "remove_stale", "reported_failure", "shard_progress", "write_shard"]
