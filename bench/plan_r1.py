@@ -17,8 +17,9 @@ For each experts kind (``--experts``) and each batch × seq of ``--grid``:
   no optimizer. ``--reference cached`` (the default, as the kit runs with a
   reference cache) computes the batch's reference states first and holds
   them through the step, which then reads them; ``in-step`` runs the adapted
-  layer a second time with the adapter off. Beside it the kit's plan of that step: ``hari_plan_for_config``
-  with ``from_prefix_cache`` (``_cached_hari_plan``), batch_size × max_len.
+  layer a second time with the adapter off. Beside it the kit's plan of that
+  step: ``hari_plan_for_config`` with ``from_prefix_cache``
+  (``_cached_hari_plan``), batch_size × max_len.
 - **prefix micro-batch**: one micro-batch of the prefix pass, forward only
   under no_grad, from input_ids: ``prefix_forward`` through the embeddings,
   one dense layer and one MoE layer of a 3-layer model (dense, MoE, MoE; the
