@@ -41,42 +41,6 @@ def fp8_weights(shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Ten
     return w, torch.rand(grid, device=device, dtype=torch.float32) * 1e-3 + 1e-4
 
 
-def launch(cfg: dict, a, a_s, b, b_s, c, m, n, k, grouped, rows, block_expert, route_w):
-    grid = (triton_cdiv(m, cfg["BLOCK_M"]) * triton_cdiv(n, cfg["BLOCK_N"]),)
-    fp8_kernels.untuned_gemm[grid](
-        a,
-        a_s,
-        b,
-        b_s,
-        c,
-        rows,
-        block_expert,
-        route_w,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a_s.stride(0),
-        b.stride(0),
-        b.stride(1),
-        b_s.stride(0),
-        b_s.stride(1),
-        c.stride(0),
-        GROUPED=grouped,
-        TOP_K=TOP_K,
-        BLOCK_K=fp8_kernels.GROUP,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -134,23 +98,11 @@ def main() -> None:
         slots = torch.empty(t * TOP_K, HIDDEN, device=device, dtype=torch.bfloat16)
         route_w = weights.reshape(-1).float().contiguous()
         try:
-            gu_args = (
-                q,
-                s,
-                gate_up,
-                gate_up_s,
-                gate_up_out,
-                bound,
-                2 * INTER,
-                HIDDEN,
-                1,
-                rows,
-                block_expert,
-                s,
-            )
+            gu_args = (q, s, gate_up, gate_up_s, gate_up_out, bound, 2 * INTER, HIDDEN, 1, rows, block_expert)
             dn_args = (aq, a_s, down, down_s, slots, bound, HIDDEN, INTER, 2, rows, block_expert, route_w)
-            ms_gu = do_bench(functools.partial(launch, cfg, *gu_args))
-            ms_dn = do_bench(functools.partial(launch, cfg, *dn_args))
+            tile = dict(top_k=TOP_K, config=cfg)
+            ms_gu = do_bench(functools.partial(fp8_kernels.launch, *gu_args, **tile))
+            ms_dn = do_bench(functools.partial(fp8_kernels.launch, *dn_args, **tile))
             row.update(
                 gate_up_ms=round(ms_gu, 3),
                 gate_up_tflops=round(flops_gate_up / ms_gu / 1e9, 1),

@@ -193,7 +193,6 @@ if INTERPRETING:  # no autotuner without a GPU driver
 else:
     _gemm_dense = triton.autotune(configs=_configs((64, 128)), key=["N", "K"])(_gemm)
     _gemm_grouped = triton.autotune(configs=_configs((BLOCK_M_GROUPED,)), key=["N", "K", "GROUPED"])(_gemm)
-untuned_gemm = _gemm  # the GEMM without the autotuner: bench/fp8_expert_tiles.py sweeps its tiles
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,14 +274,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> to
         if dense_route == "torch":
             raise RuntimeError(f"torch's block-scaled scaled_mm refused {rows.shape[0]}x{k} @ {k}x{n}")
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    _launch(q, s, weight[None], scale_inv[None], out, rows.shape[0], n, k, grouped=0)
+    launch(q, s, weight[None], scale_inv[None], out, rows.shape[0], n, k, grouped=0)
     return out.view(*x.shape[:-1], n)
 
 
-def _launch(a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, route_w=None, top_k=1):
+def launch(
+    a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, route_w=None, top_k=1, config=None
+):
+    """One launch of the block-scaled GEMM (the arguments as ``linear`` and ``experts`` pass them), autotuned;
+    ``config`` (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) runs that tile instead (tile sweeps)."""
     dummy = a_s  # unused pointers in dense mode
     kernel = _gemm_grouped if grouped else _gemm_dense
     fixed = {**_INTERPRETED, "BLOCK_M": BLOCK_M_GROUPED} if INTERPRETING else {}
+    if config is not None:
+        kernel, fixed = _gemm, dict(config)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         a,
@@ -334,7 +339,7 @@ def experts(
     x = hidden if hidden.is_contiguous() else hidden.contiguous()
     q, s = quantize(x)
     gate_up_out = torch.empty(bound, two_p, dtype=hidden.dtype, device=hidden.device)
-    _launch(
+    launch(
         q,
         s,
         gate_up,
@@ -366,7 +371,7 @@ def experts(
     del gate_up_out
     slots = torch.empty(tokens * top_k, h, dtype=hidden.dtype, device=hidden.device)
     weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
-    _launch(
+    launch(
         act,
         act_s,
         down,
@@ -383,4 +388,4 @@ def experts(
     return slots.view(tokens, top_k, h).sum(1)
 
 
-__all__ = ["EPS", "FP8_MAX", "available", "experts", "linear", "quantize", "set_dense_route"]
+__all__ = ["EPS", "FP8_MAX", "available", "experts", "launch", "linear", "quantize", "set_dense_route"]

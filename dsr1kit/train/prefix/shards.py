@@ -55,9 +55,8 @@ def failure_marker(directory: Path, task: int, what: str) -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        tmp = (
-            directory / f".{marker.name}.{os.getpid()}.tmp"
-        )  # whole or absent: a waiting task may read it now
+        # whole or absent: a waiting task may read it at any moment
+        tmp = directory / f".{marker.name}.{os.getpid()}.tmp"
         tmp.write_text(f"{what}\n{type(err).__name__}: {err}\n")
         tmp.replace(marker)
         raise
