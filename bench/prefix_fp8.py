@@ -14,6 +14,11 @@ no_grad as the prefix pass runs it:
   dense linears through torch's block-scaled ``scaled_mm`` where it takes the
   shape, the routed experts through the kit's grouped Triton GEMM
   (activations quantized per token and 128-column group);
+- **fp8-lean**: the fp8 layer with the prefix pass's leaner forward
+  (``prefix_layer``: query, key and value in the GEMMs' own layout, the
+  residual add and RMSNorm in one pass), which the FP8 prefix pass runs;
+- **nf4-lean**: the nf4 layer with that forward, to show what it would give
+  the NF4 path (which keeps transformers' forward);
 - **fp8-triton**: the same modules with every GEMM on the kit's Triton kernels
   (the path before torch's GEMM was taken);
 - **nf4**: today's prefix pass, NF4 experts (``NF4Experts``) and bitsandbytes
@@ -53,6 +58,7 @@ from dsr1kit.model import fp8_compute
 from dsr1kit.model.experts_nf4 import NF4Experts
 from dsr1kit.model.fp8 import dequantize_fp8_blocks
 from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
+from dsr1kit.model.prefix_layer import PrefixAttention, PrefixDecoderLayer, lean_prefix_layers_
 
 
 @contextlib.contextmanager
@@ -69,6 +75,21 @@ def fp8_route(dense: str = "auto", nf4: str = "auto"):
     finally:
         fp8_kernels.set_dense_route(before[0])
         experts_nf4.set_route(before[1])
+
+
+@contextlib.contextmanager
+def lean_forward(layer: torch.nn.Module, on: bool = True):
+    """The layer with the prefix pass's leaner forward (its classes swapped), put back afterwards."""
+    if not on:
+        yield
+        return
+    lean_prefix_layers_(layer)
+    try:
+        yield
+    finally:
+        for module in layer.modules():
+            if type(module) in (PrefixDecoderLayer, PrefixAttention):
+                module.__class__ = module.__class__.__mro__[1]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,10 +160,17 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
         "bf16": layer,
         "nf4": nf4_layer,
         "nf4-fused": nf4_layer,
+        "nf4-lean": nf4_layer,
         "fp8": fp8_layer,
+        "fp8-lean": fp8_layer,
         "fp8-triton": fp8_layer,
     }
-    routes = {"fp8-triton": dict(dense="triton"), "nf4": dict(nf4="dequant"), "nf4-fused": dict(nf4="fused")}
+    routes = {
+        "fp8-triton": dict(dense="triton"),
+        "nf4": dict(nf4="dequant"),
+        "nf4-lean": dict(nf4="dequant"),
+        "nf4-fused": dict(nf4="fused"),
+    }
     if args.compile:  # the FP8 layer through torch.compile: the elementwise work between its GEMMs fused
         from torch._dynamo.utils import counters
 
@@ -169,13 +197,20 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
             ]
             free(device)
             reset_peak(device)
-            with torch.no_grad(), fp8_route(**routes.get(name, {})):
-                model.model(inputs_embeds=hidden)
+            with (
+                torch.no_grad(),
+                fp8_route(**routes.get(name, {})),
+                lean_forward(variant, name.endswith("-lean")),
+            ):
+                model.model(inputs_embeds=hidden, use_cache=False)  # as the prefix pass calls it
                 outputs[name] = dict(captured)
                 for h in hooks:
                     h.remove()
                 seconds = timed(
-                    lambda m=model.model, x=hidden: m(inputs_embeds=x), device, args.warmup, args.iters
+                    lambda m=model.model, x=hidden: m(inputs_embeds=x, use_cache=False),
+                    device,
+                    args.warmup,
+                    args.iters,
                 )
             rows.append(
                 {
@@ -390,21 +425,23 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def profile_rows(args, device: torch.device, kind: str = "moe") -> list[dict]:
+def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = False) -> list[dict]:
     """Where the FP8 layer's time goes at 4×4096 tokens: CUDA time per kernel name, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     model, config = one_layer_model(kind, args.tiny, device)
     fp8_compute.to_fp8_(model.model.layers[0])
+    if lean:
+        lean_prefix_layers_(model.model.layers[0])
     seq = 64 if args.tiny else 4096
     hidden = torch.randn(4, seq, config.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(2):
-            model.model(inputs_embeds=hidden)
+            model.model(inputs_embeds=hidden, use_cache=False)
         free(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                model.model(inputs_embeds=hidden)
+                model.model(inputs_embeds=hidden, use_cache=False)
             torch.cuda.synchronize(device)
     rows = [
         {
@@ -419,7 +456,9 @@ def profile_rows(args, device: torch.device, kind: str = "moe") -> list[dict]:
     total = sum(r["ms_per_forward"] for r in rows)
     del model
     free(device)
-    return [{"layer": kind, "total_kernel_ms": round(total, 2)}] + rows[:25]
+    return [
+        {"layer": kind, "forward": "lean" if lean else "transformers", "total_kernel_ms": round(total, 2)}
+    ] + [dict(r, forward="lean" if lean else "transformers") for r in rows[:25]]
 
 
 def main() -> None:
@@ -443,7 +482,9 @@ def main() -> None:
         gemms = gemm_rows(args, device)
         for r in gemms:
             print(json.dumps(r), flush=True)
-    profiled = profile_rows(args, device) if args.profile and device.type == "cuda" else []
+    profiled = []
+    if args.profile and device.type == "cuda":
+        profiled = profile_rows(args, device) + profile_rows(args, device, lean=True)
     for r in profiled:
         print(json.dumps(r), flush=True)
     for kind in [k for k in args.layers.split(",") if k]:
@@ -461,6 +502,10 @@ def main() -> None:
                 "fp8_over_bf16": round(by["bf16"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
                 "nf4_fused_over_nf4": round(by["nf4"]["ms"] / by["nf4-fused"]["ms"], 2),
+                "fp8_lean_over_nf4": round(by["nf4"]["ms"] / by["fp8-lean"]["ms"], 2),
+                "fp8_lean_over_fp8": round(by["fp8"]["ms"] / by["fp8-lean"]["ms"], 2),
+                "nf4_lean_over_nf4": round(by["nf4"]["ms"] / by["nf4-lean"]["ms"], 2),
+                "fp8_lean_over_nf4_lean": round(by["nf4-lean"]["ms"] / by["fp8-lean"]["ms"], 2),
             }
             if "fp8-compiled" in by:
                 summary[f"{kind} {batch}x{seq}"]["fp8_compiled_over_nf4"] = round(

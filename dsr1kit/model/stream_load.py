@@ -43,6 +43,7 @@ from .experts_nf4 import (
 )
 from .fp8 import DEFAULT_BLOCK, FP8_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks
 from .fp8_compute import GROUP, FP8Experts, FP8Linear
+from .prefix_layer import lean_prefix_layers_
 
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -499,6 +500,8 @@ def load_streaming(
             continue
         loader.load_unit(prefix)
     finish_load(model, ckpt, device_map, dtype)
+    if fp8_compute:  # a prefix-pass-only model: the leaner forward (same values, fewer memory passes)
+        lean_prefix_layers_(model)
     return model
 
 

@@ -1,0 +1,132 @@
+"""DeepSeek's decoder layer for the prefix pass: the same values as transformers' forward, fewer memory passes.
+
+At R1's widths and 16k-token micro-batches, about a quarter of an FP8 MoE layer's time went to copies and
+elementwise kernels around its GEMMs (``docs/benchmarks.md``). transformers' MLA builds the query and key by
+concatenating transposed views, and its RMSNorm makes five float32 passes over the hidden state. Here:
+
+- query, key and value stay in [batch, seq, heads, dim] order, the GEMMs' own output layout, and reach
+  attention as transposed views: the query is never copied, and attention writes its output in the
+  order ``o_proj`` reads it;
+- the rotary part is computed by transformers' own functions and written back into the query in place;
+- the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms.
+
+Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
+``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
+gradient anyway); the class of each DeepSeek layer and attention module is swapped for its subclass here, so
+forward hooks, ``deepcopy`` and accelerate's dispatch hooks (attached after) see ordinary modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+from .norm_kernels import add_rms_norm
+
+
+def _takes_lean_path(cache, kwargs) -> bool:
+    return not torch.is_grad_enabled() and cache is None and kwargs.get("past_key_values") is None
+
+
+class PrefixAttention(ds.DeepseekV3Attention):
+    """MLA with query, key and value in [batch, seq, heads, dim] order (see the module docstring)."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        if not _takes_lean_path(cache, kwargs) or position_embeddings is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        kwargs.pop("past_key_values", None)
+        batch, seq = hidden_states.shape[:-1]
+        nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(add_rms_norm(self.q_a_proj(hidden_states), self.q_a_layernorm)[1])
+        q = q.view(batch, seq, -1, self.qk_head_dim)
+        kv_nope, k_rot = torch.split(
+            self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, rope], dim=-1
+        )
+        kv = self.kv_b_proj(add_rms_norm(kv_nope, self.kv_a_layernorm)[1])
+        kv = kv.view(batch, seq, -1, nope + self.v_head_dim)
+
+        cos, sin = position_embeddings
+        rotate = (
+            ds.apply_rotary_pos_emb_interleave if self.config.rope_interleave else ds.apply_rotary_pos_emb
+        )
+        q_rot, k_rot = rotate(q[..., nope:], k_rot.view(batch, seq, 1, rope), cos, sin, unsqueeze_dim=2)
+        q[..., nope:].copy_(q_rot)
+        key = kv.new_empty(batch, seq, kv.shape[2], nope + rope)
+        key[..., :nope].copy_(kv[..., :nope])
+        key[..., nope:].copy_(k_rot.expand(-1, -1, kv.shape[2], -1))
+        value = kv[..., nope:]
+
+        attention = ds.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, ds.eager_attention_forward
+        )
+        out, weights = attention(
+            self,
+            q.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+class PrefixDecoderLayer(ds.DeepseekV3DecoderLayer):
+    """The decoder layer with each residual add fused into the RMSNorm after it."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        if not _takes_lean_path(cache, kwargs):
+            return super().forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        kwargs.pop("past_key_values", None)
+        residual, normed = add_rms_norm(hidden_states, self.input_layernorm)
+        attn, _ = self.self_attn(
+            hidden_states=normed,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=None,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        residual, normed = add_rms_norm(attn, self.post_attention_layernorm, residual)
+        return residual + self.mlp(normed)
+
+
+def lean_prefix_layers_(model: nn.Module) -> int:
+    """Swap every transformers DeepSeek-V3 decoder layer and attention module under ``model`` for the prefix
+    pass's forward (same values, fewer passes); returns how many modules were swapped. Other classes (a
+    checkpoint's own remote code) are left as they are."""
+    swapped = 0
+    for module in model.modules():
+        if type(module) is ds.DeepseekV3DecoderLayer:
+            module.__class__ = PrefixDecoderLayer
+            swapped += 1
+        elif type(module) is ds.DeepseekV3Attention:
+            module.__class__ = PrefixAttention
+            swapped += 1
+    return swapped
+
+
+__all__ = ["PrefixAttention", "PrefixDecoderLayer", "lean_prefix_layers_"]

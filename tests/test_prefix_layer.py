@@ -1,0 +1,185 @@
+"""The prefix pass's leaner DeepSeek layer: transformers' values with fewer memory passes.
+
+On CPU the norms run the module's own arithmetic, so the leaner layer must give transformers' hidden states
+bit for bit (the only changes there are where query, key and value live, and RoPE written in place). The
+one-pass norm kernel runs here through Triton's interpreter, held to the module within its rounding; the CUDA
+test holds the whole layer, kernel and cuDNN attention included, to transformers' layer on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from dsr1kit.model import prefix_layer
+from dsr1kit.model.prefix_layer import PrefixAttention, PrefixDecoderLayer, lean_prefix_layers_
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_deepseek(attn: str, interleave: bool, dtype=torch.float32, **changes) -> DeepseekV3ForCausalLM:
+    config = DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=48,  # unlike the key's 64, as R1's 128 against 192
+        rope_interleave=interleave,
+        **changes,
+    )
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(config).to(dtype).eval()
+
+
+def padded_batch(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: the attention mask is not the plain causal one
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn, interleave", [("sdpa", True), ("eager", True), ("sdpa", False)])
+def test_lean_layers_give_transformers_hidden_states_bit_for_bit(attn, interleave, dtype, monkeypatch):
+    model = tiny_deepseek(attn, interleave, dtype)
+    lean = copy.deepcopy(model)
+    assert lean_prefix_layers_(lean) == 6  # 3 layers, 3 attention modules
+    assert all(type(layer) is PrefixDecoderLayer for layer in lean.model.layers)
+    assert all(type(layer.self_attn) is PrefixAttention for layer in lean.model.layers)
+
+    norms = []
+    real = prefix_layer.add_rms_norm
+    monkeypatch.setattr(prefix_layer, "add_rms_norm", lambda *a, **k: norms.append(1) or real(*a, **k))
+    batch = padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        want = model(**batch, output_hidden_states=True, use_cache=False).hidden_states
+        got = lean(
+            **batch, output_hidden_states=True, use_cache=False
+        ).hidden_states  # as the prefix pass runs
+    assert len(norms) == 4 * 3  # the lean path ran: two layer norms and two latent norms per layer
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), (
+            f"hidden state {i}: max difference {float((a.float() - b.float()).abs().max())}"
+        )
+
+
+def test_lean_layers_leave_autograd_and_the_kv_cache_to_transformers(monkeypatch):
+    model = tiny_deepseek("sdpa", True)
+    lean = copy.deepcopy(model)
+    lean_prefix_layers_(lean)
+    calls = []
+    monkeypatch.setattr(prefix_layer, "add_rms_norm", lambda *a, **k: calls.append(1))
+    batch = padded_batch(model.config.vocab_size)
+    lean.train()
+    loss = lean(**batch, labels=batch["input_ids"]).loss  # grad on: transformers' own forward, trainable
+    loss.backward()
+    assert not calls and lean.model.layers[0].self_attn.q_b_proj.weight.grad is not None
+    lean.eval()
+    with torch.no_grad():
+        out = lean.generate(batch["input_ids"][:1, :5], max_new_tokens=3, do_sample=False)  # with a KV cache
+        ref = model.generate(batch["input_ids"][:1, :5], max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, ref) and not calls
+
+
+def test_lean_layers_swap_only_transformers_deepseek_modules():
+    model = tiny_deepseek("sdpa", True)
+    lean_prefix_layers_(model)
+    assert lean_prefix_layers_(model) == 0  # already swapped: nothing left to swap
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=64)
+    )
+    assert lean_prefix_layers_(llama) == 0
+
+
+NORM_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+    from dsr1kit.model import norm_kernels as nk
+
+    torch.manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = DeepseekV3RMSNorm(300, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.1)
+            wide = torch.randn(5, 7, 320).to(dtype)
+            x, r = wide[..., :300], torch.randn(5, 7, 300).to(dtype)  # x strided: a slice of wider rows
+            assert nk.runs_kernel(x, norm)
+            s, y = nk.add_rms_norm(x, norm, r)
+            s0 = r + x
+            y0 = norm(s0)
+            alone_s, alone = nk.add_rms_norm(x, norm)
+        name = str(dtype).split(".")[-1]
+        out[name] = dict(
+            sum=float(((s.float() - s0.float()).abs() / s0.float().abs().clamp(min=1e-2)).max()),
+            norm=float(((y.float() - y0.float()).abs() / y0.float().abs().clamp(min=1e-2)).max()),
+            alone=float(((alone.float() - norm(x).float()).abs() / norm(x).float().abs().clamp(min=1e-2)).max()),
+            alone_sum_is_input=bool(torch.equal(alone_s, x)),
+            shapes=[list(s.shape), list(y.shape)],
+        )
+    print(json.dumps(out))
+    """
+)
+
+
+def test_one_pass_norm_kernel_matches_the_module_interpreted():
+    """float32: the order of the mean's additions only (1e-6). bf16: the interpreter truncates its stores where
+    a GPU rounds, and the kernel rounds three times (sum, normalized row, product), so within 3 bf16 steps
+    (2^-6 relative)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", NORM_SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["float32"]["sum"] == 0 and got["float32"]["norm"] < 1e-6 and got["float32"]["alone"] < 1e-6
+    assert got["bfloat16"]["sum"] <= 2**-7 and got["bfloat16"]["norm"] <= 3 * 2**-8 * 2
+    assert got["bfloat16"]["alone"] <= 3 * 2**-8 * 2
+    assert all(g["alone_sum_is_input"] and g["shapes"] == [[5, 7, 300]] * 2 for g in got.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_lean_layers_match_transformers_on_a_gpu(attn):
+    """The norm kernel and cuDNN's attention on strided query/key/value: within bf16 rounding of transformers'
+    layer (the mean's addition order may move a normalized element by one bf16 step)."""
+    model = tiny_deepseek(attn, True, torch.bfloat16, hidden_size=512, num_attention_heads=8).cuda()
+    lean = copy.deepcopy(model)
+    lean_prefix_layers_(lean)
+    batch = {k: v.cuda() for k, v in padded_batch(model.config.vocab_size).items()}
+    batch_causal = {k: v.clone() for k, v in batch.items()}
+    batch_causal["attention_mask"].fill_(1)  # no padding: sdpa takes its is_causal path
+    for b in (batch, batch_causal):
+        with torch.no_grad():
+            want = model(**b, output_hidden_states=True, use_cache=False).hidden_states
+            got = lean(**b, output_hidden_states=True, use_cache=False).hidden_states
+        for a, c in zip(want[1:], got[1:]):
+            err = float((a.float() - c.float()).norm() / a.float().norm())
+            assert err < 1e-2, err
