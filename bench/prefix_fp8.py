@@ -58,7 +58,7 @@ from dsr1kit.model import fp8_compute
 from dsr1kit.model.experts_nf4 import NF4Experts
 from dsr1kit.model.fp8 import dequantize_fp8_blocks
 from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
-from dsr1kit.model.prefix_layer import PrefixAttention, PrefixDecoderLayer, lean_prefix_layers_
+from dsr1kit.model.prefix_layer import LEAN, lean_prefix_layers_
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def lean_forward(layer: torch.nn.Module, on: bool = True):
         yield
     finally:
         for module in layer.modules():
-            if type(module) in (PrefixDecoderLayer, PrefixAttention):
+            if type(module) in LEAN.values():
                 module.__class__ = module.__class__.__mro__[1]
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from dsr1kit.model import prefix_layer
-from dsr1kit.model.prefix_layer import PrefixAttention, PrefixDecoderLayer, lean_prefix_layers_
+from dsr1kit.model.prefix_layer import PrefixAttention, PrefixDecoderLayer, PrefixRouter, lean_prefix_layers_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +49,11 @@ def tiny_deepseek(attn: str, interleave: bool, dtype=torch.float32, **changes) -
     )
     config._attn_implementation = attn
     torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(config).to(dtype).eval()
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # a trained router's correction bias: routing then depends on it, as in R1
+        for layer in model.model.layers[config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    return model.to(dtype).eval()
 
 
 def padded_batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -65,9 +69,10 @@ def padded_batch(vocab: int) -> dict[str, torch.Tensor]:
 def test_lean_layers_give_transformers_hidden_states_bit_for_bit(attn, interleave, dtype, monkeypatch):
     model = tiny_deepseek(attn, interleave, dtype)
     lean = copy.deepcopy(model)
-    assert lean_prefix_layers_(lean) == 6  # 3 layers, 3 attention modules
+    assert lean_prefix_layers_(lean) == 8  # 3 layers, 3 attention modules, 2 routers
     assert all(type(layer) is PrefixDecoderLayer for layer in lean.model.layers)
     assert all(type(layer.self_attn) is PrefixAttention for layer in lean.model.layers)
+    assert all(type(layer.mlp.gate) is PrefixRouter for layer in lean.model.layers[1:])
 
     norms = []
     real = prefix_layer.add_rms_norm
@@ -183,3 +188,22 @@ def test_lean_layers_match_transformers_on_a_gpu(attn):
         for a, c in zip(want[1:], got[1:]):
             err = float((a.float() - c.float()).norm() / a.float().norm())
             assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_router_logits_from_bf16_parts_equal_the_float32_gemm_on_a_gpu():
+    """Three bf16 parts hold the float32 weight exactly, so only the order of float32 additions differs."""
+    from dsr1kit.model.prefix_layer import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(4096, 7168, generator=g, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(256, 7168, generator=g, device="cuda") * 0.02
+    with torch.no_grad():
+        got = router_logits(hidden, weight)
+        want = torch.nn.functional.linear(hidden.float(), weight)
+    assert got.dtype == torch.float32
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    same = (got.topk(8, dim=-1).indices.sort(-1).values == want.topk(8, dim=-1).indices.sort(-1).values).all(
+        -1
+    )
+    assert float(same.float().mean()) > 0.999

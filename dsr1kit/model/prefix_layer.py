@@ -8,7 +8,9 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
 - the rotary part is computed by transformers' own functions and written back into the query in place;
-- the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms.
+- the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
+- the router's float32 logits come from one bf16 GEMM on the tensor cores instead of a float32 copy of the
+  hidden state and a float32 GEMM on the CUDA cores (``router_logits``).
 
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
@@ -19,10 +21,33 @@ forward hooks, ``deepcopy`` and accelerate's dispatch hooks (attached after) see
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
 from .norm_kernels import add_rms_norm
+
+
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` in float32, as transformers' router computes it (``F.linear`` of both in float32).
+
+    On a GPU with bf16 ``hidden``: the float32 weight is split into three bf16 parts whose sum is the weight
+    exactly (3 × 8 mantissa bits hold its 24), each bf16 × bf16 product is exact in float32, and the GEMM
+    accumulates in float32; so the logits differ from the float32 GEMM's only by the order of float32
+    additions, at tensor-core speed and without a float32 copy of the hidden state."""
+    if hidden.is_cuda and hidden.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+        w = weight.float()
+        hi = w.to(torch.bfloat16)
+        rest = w - hi.float()
+        mid = rest.to(torch.bfloat16)
+        lo = (rest - mid.float()).to(torch.bfloat16)
+        try:
+            parts = torch.mm(hidden, torch.cat([hi, mid, lo]).T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without mm's float32 output for bf16 inputs
+            parts = None
+        if parts is not None:
+            return parts.view(hidden.shape[0], 3, -1).sum(1)
+    return F.linear(hidden.type(torch.float32), weight.type(torch.float32))
 
 
 def _takes_lean_path(cache, kwargs) -> bool:
@@ -76,6 +101,30 @@ class PrefixAttention(ds.DeepseekV3Attention):
         return self.o_proj(out.reshape(batch, seq, -1)), weights
 
 
+class PrefixRouter(ds.DeepseekV3TopkRouter):
+    """transformers' DeepSeek-V3 router (group-limited top-k over sigmoid scores) with ``router_logits``."""
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        logits = router_logits(hidden_states, self.weight)
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_group
+        group_scores = choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+        )
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        if self.norm_topk_prob:
+            topk_weights /= topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        return logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
 class PrefixDecoderLayer(ds.DeepseekV3DecoderLayer):
     """The decoder layer with each residual add fused into the RMSNorm after it."""
 
@@ -115,18 +164,30 @@ class PrefixDecoderLayer(ds.DeepseekV3DecoderLayer):
 
 
 def lean_prefix_layers_(model: nn.Module) -> int:
-    """Swap every transformers DeepSeek-V3 decoder layer and attention module under ``model`` for the prefix
-    pass's forward (same values, fewer passes); returns how many modules were swapped. Other classes (a
+    """Swap every transformers DeepSeek-V3 decoder layer, attention module and router under ``model`` for the
+    prefix pass's forward (same values, fewer passes); returns how many modules were swapped. Other classes (a
     checkpoint's own remote code) are left as they are."""
     swapped = 0
     for module in model.modules():
-        if type(module) is ds.DeepseekV3DecoderLayer:
-            module.__class__ = PrefixDecoderLayer
-            swapped += 1
-        elif type(module) is ds.DeepseekV3Attention:
-            module.__class__ = PrefixAttention
+        lean = LEAN.get(type(module))
+        if lean is not None:
+            module.__class__ = lean
             swapped += 1
     return swapped
 
 
-__all__ = ["PrefixAttention", "PrefixDecoderLayer", "lean_prefix_layers_"]
+LEAN = {
+    ds.DeepseekV3DecoderLayer: PrefixDecoderLayer,
+    ds.DeepseekV3Attention: PrefixAttention,
+    ds.DeepseekV3TopkRouter: PrefixRouter,
+}  # transformers' class -> the prefix pass's subclass
+
+
+__all__ = [
+    "LEAN",
+    "PrefixAttention",
+    "PrefixDecoderLayer",
+    "PrefixRouter",
+    "lean_prefix_layers_",
+    "router_logits",
+]
