@@ -212,6 +212,14 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
                     args.warmup,
                     args.iters,
                 )
+                stacked = None
+                if args.stack > 1 and name != "nf4-fused":  # back to back, as the prefix pass runs its layers
+
+                    def back_to_back(m=model.model, x=hidden, n=args.stack):
+                        for _ in range(n):
+                            m(inputs_embeds=x, use_cache=False)
+
+                    stacked = timed(back_to_back, device, 1, max(3, args.iters // 2)) / args.stack
             rows.append(
                 {
                     "layer": kind,
@@ -221,6 +229,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
                     "tokens": batch * seq,
                     "ms": round(seconds * 1e3, 2),
                     "tokens_per_s": round(batch * seq / seconds, 1),
+                    "ms_back_to_back": None if stacked is None else round(stacked * 1e3, 2),
                     "peak_gib": peak_gib(device),
                 }
             )
@@ -461,6 +470,36 @@ def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = Fal
     ] + [dict(r, forward="lean" if lean else "transformers") for r in rows[:25]]
 
 
+def router_rows(device: torch.device, tokens: int = 16384) -> list[dict]:
+    """The router's float32 logits at R1's widths: transformers' float32 GEMM beside ``router_logits``."""
+    import torch.nn.functional as F
+
+    from dsr1kit.model.prefix_layer import router_logits
+
+    g = torch.Generator(device=device).manual_seed(9)
+    hidden = torch.randn(tokens, 7168, generator=g, device=device).to(torch.bfloat16)
+    weight = torch.randn(256, 7168, generator=g, device=device) * 0.02
+    rows = []
+    try:
+        torch.mm(hidden, weight.to(torch.bfloat16).T, out_dtype=torch.float32)
+        rows.append({"router": "torch.mm out_dtype=float32", "runs": True})
+    except Exception as err:  # noqa: BLE001 - the probe records whatever torch says
+        rows.append(
+            {"router": "torch.mm out_dtype=float32", "error": f"{type(err).__name__}: {str(err)[:200]}"}
+        )
+    with torch.no_grad():
+        want = F.linear(hidden.float(), weight)
+        rows.append(
+            {"router": "router_logits vs float32", "rel_error": rel(router_logits(hidden, weight), want)}
+        )
+        for what, fn in (
+            ("float32 F.linear (transformers)", lambda: F.linear(hidden.type(torch.float32), weight)),
+            ("router_logits", lambda: router_logits(hidden, weight)),
+        ):
+            rows.append({"router": what, "ms": round(timed(fn, device, 3, 10) * 1e3, 3)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -471,6 +510,12 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true", help="also time the GEMMs alone")
     ap.add_argument("--profile", action="store_true", help="also profile the FP8 MoE layer's kernels")
     ap.add_argument("--compile", action="store_true", help="also run the FP8 layer through torch.compile")
+    ap.add_argument(
+        "--stack",
+        type=int,
+        default=4,
+        help="also time this many forwards back to back, without a sync between them (per forward)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -484,7 +529,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     profiled = []
     if args.profile and device.type == "cuda":
-        profiled = profile_rows(args, device) + profile_rows(args, device, lean=True)
+        profiled = router_rows(device) + profile_rows(args, device) + profile_rows(args, device, lean=True)
     for r in profiled:
         print(json.dumps(r), flush=True)
     for kind in [k for k in args.layers.split(",") if k]:
@@ -507,6 +552,13 @@ def main() -> None:
                 "nf4_lean_over_nf4": round(by["nf4"]["ms"] / by["nf4-lean"]["ms"], 2),
                 "fp8_lean_over_nf4_lean": round(by["nf4-lean"]["ms"] / by["fp8-lean"]["ms"], 2),
             }
+            if by["fp8-lean"].get("ms_back_to_back"):
+                b2b = {k: r["ms_back_to_back"] for k, r in by.items() if r.get("ms_back_to_back")}
+                summary[f"{kind} {batch}x{seq}"].update(
+                    fp8_lean_over_nf4_back_to_back=round(b2b["nf4"] / b2b["fp8-lean"], 2),
+                    fp8_over_nf4_back_to_back=round(b2b["nf4"] / b2b["fp8"], 2),
+                    fp8_lean_over_nf4_lean_back_to_back=round(b2b["nf4-lean"] / b2b["fp8-lean"], 2),
+                )
             if "fp8-compiled" in by:
                 summary[f"{kind} {batch}x{seq}"]["fp8_compiled_over_nf4"] = round(
                     by["nf4"]["ms"] / by["fp8-compiled"]["ms"], 2

@@ -7,7 +7,8 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
 - query, key and value stay in [batch, seq, heads, dim] order, the GEMMs' own output layout, and reach
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
-- the rotary part is computed by transformers' own functions and written back into the query in place;
+- the rotary step and the key's assembly are one pass on GPUs (``rope_kernels``: the query rotated in
+  place, the key written whole); elsewhere transformers' own rotary functions, written back in place;
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
 - the router's float32 logits come from one bf16 GEMM on the tensor cores instead of a float32 copy of the
   hidden state and a float32 GEMM on the CUDA cores (``router_logits``).
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
+from . import rope_kernels
 from .norm_kernels import add_rms_norm
 
 
@@ -75,14 +77,16 @@ class PrefixAttention(ds.DeepseekV3Attention):
         kv = kv.view(batch, seq, -1, nope + self.v_head_dim)
 
         cos, sin = position_embeddings
-        rotate = (
-            ds.apply_rotary_pos_emb_interleave if self.config.rope_interleave else ds.apply_rotary_pos_emb
-        )
-        q_rot, k_rot = rotate(q[..., nope:], k_rot.view(batch, seq, 1, rope), cos, sin, unsqueeze_dim=2)
-        q[..., nope:].copy_(q_rot)
-        key = kv.new_empty(batch, seq, kv.shape[2], nope + rope)
-        key[..., :nope].copy_(kv[..., :nope])
-        key[..., nope:].copy_(k_rot.expand(-1, -1, kv.shape[2], -1))
+        interleave = bool(self.config.rope_interleave)
+        if rope_kernels.runs_kernel(q, cos, nope, rope):
+            key = rope_kernels.rope_and_key(q, kv, k_rot, cos, sin, nope, interleave)
+        else:
+            rotate = ds.apply_rotary_pos_emb_interleave if interleave else ds.apply_rotary_pos_emb
+            q_rot, k_rot = rotate(q[..., nope:], k_rot.view(batch, seq, 1, rope), cos, sin, unsqueeze_dim=2)
+            q[..., nope:].copy_(q_rot)
+            key = kv.new_empty(batch, seq, kv.shape[2], nope + rope)
+            key[..., :nope].copy_(kv[..., :nope])
+            key[..., nope:].copy_(k_rot.expand(-1, -1, kv.shape[2], -1))
         value = kv[..., nope:]
 
         attention = ds.ALL_ATTENTION_FUNCTIONS.get_interface(
