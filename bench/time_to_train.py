@@ -37,14 +37,22 @@ def hours(seconds: float) -> str:
 
 
 def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
-    """Tokens/s per GPU of R1's 60-layer prefix (3 dense + 57 MoE) from bench.prefix_fp8's layer times."""
+    """Tokens/s per GPU of R1's 60-layer prefix (3 dense + 57 MoE) from bench.prefix_fp8's layer times.
+
+    The kit's FP8 path is the lean layer (``fp8-lean``) where the file has it, timed back to back as the
+    prefix pass runs its layers where the file has that; older files give the ``fp8`` path, timed alone."""
     f = json.loads(path.read_text())
-    ms = {r["layer"]: r["ms"] for r in f["rows"] if r["path"] == "fp8" and [r["batch"], r["seq"]] == shape}
+    rows = [r for r in f["rows"] if [r["batch"], r["seq"]] == shape]
+    path_name = "fp8-lean" if any(r["path"] == "fp8-lean" for r in rows) else "fp8"
+    mine = [r for r in rows if r["path"] == path_name]
+    key = "ms_back_to_back" if all(r.get("ms_back_to_back") for r in mine) else "ms"
+    ms = {r["layer"]: r[key] for r in mine}
     total = 3 * ms["dense"] + 57 * ms["moe"]
     rate = shape[0] * shape[1] / (total / 1e3)
+    timing = "back to back" if key == "ms_back_to_back" else "one forward at a time"
     lines.append(
-        f"prefix pass in FP8 ({f['meta']['device']}): 3 dense × {ms['dense']} ms + 57 MoE × {ms['moe']} ms = "
-        f"{total:,.0f} ms per {shape[0] * shape[1]:,} tokens = {rate:,.0f} tokens/s per GPU"
+        f"prefix pass in FP8 ({f['meta']['device']}, path {path_name}, {timing}): 3 dense × {ms['dense']} ms + "
+        f"57 MoE × {ms['moe']} ms = {total:,.0f} ms per {shape[0] * shape[1]:,} tokens = {rate:,.0f} tokens/s per GPU"
     )
     return rate
 

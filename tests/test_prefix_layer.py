@@ -172,6 +172,15 @@ INTERPRETED_SCRIPT = textwrap.dedent(
                 q=rel(q1, q2), key=rel(key1, key2), q_nope_kept=bool(torch.equal(q1[..., :nope], q[..., :nope])),
                 key_nope_equal=bool(torch.equal(key1[..., :nope], key2[..., :nope])),
             )
+        if dtype == torch.bfloat16:
+            from dsr1kit.model import router_kernels
+
+            hidden = torch.randn(70, 200, generator=g).to(dtype)  # partial tiles both ways
+            weight = torch.randn(40, 200, generator=g) * 0.02
+            with torch.no_grad():
+                assert router_kernels.runs_kernel(hidden, weight)
+                want = torch.nn.functional.linear(hidden.float(), weight)
+                out["router"] = rel(router_kernels.logits(hidden, weight), want)
         model = tiny_deepseek("sdpa", True, dtype)
         lean = tiny_deepseek("sdpa", True, dtype)
         lean_prefix_layers_(lean)
@@ -235,6 +244,11 @@ def test_rope_and_key_kernel_matches_transformers_rotary_interpreted(interpreted
         assert got["q"] <= limit and got["key"] <= limit, (case, got)
 
 
+def test_router_logits_kernel_is_the_float32_gemm_interpreted(interpreted):
+    """The weight's three bf16 parts are exact, so only the float32 additions' order differs."""
+    assert interpreted["router"] < 1e-6
+
+
 def test_lean_layers_with_their_kernels_match_transformers_interpreted(interpreted):
     assert interpreted["layers"]["float32"] < 1e-5  # the norm's mean added in another order
     assert interpreted["layers"]["bfloat16"] < 3e-2  # and the interpreter's truncating bf16 (measured 1.8%)
@@ -264,18 +278,20 @@ def test_lean_layers_match_transformers_on_a_gpu(attn):
 
 
 @pytest.mark.gpu
-def test_router_logits_from_bf16_parts_equal_the_float32_gemm_on_a_gpu():
+def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu():
     """Three bf16 parts hold the float32 weight exactly, so only the order of float32 additions differs."""
+    from dsr1kit.model import router_kernels
     from dsr1kit.model.prefix_layer import router_logits
 
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(4096, 7168, generator=g, device="cuda").to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device="cuda") * 0.02
     with torch.no_grad():
+        assert router_kernels.runs_kernel(hidden, weight)
         got = router_logits(hidden, weight)
         want = torch.nn.functional.linear(hidden.float(), weight)
     assert got.dtype == torch.float32
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert float((got - want).norm() / want.norm()) < 1e-6
     same = (got.topk(8, dim=-1).indices.sort(-1).values == want.topk(8, dim=-1).indices.sort(-1).values).all(
         -1
     )

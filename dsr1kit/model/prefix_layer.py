@@ -10,8 +10,8 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
 - the rotary step and the key's assembly are one pass on GPUs (``rope_kernels``: the query rotated in
   place, the key written whole); elsewhere transformers' own rotary functions, written back in place;
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
-- the router's float32 logits come from one bf16 GEMM on the tensor cores instead of a float32 copy of the
-  hidden state and a float32 GEMM on the CUDA cores (``router_logits``).
+- the router's float32 logits come from the tensor cores (``router_kernels``) instead of a float32 copy of
+  the hidden state and a float32 GEMM on the CUDA cores.
 
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
@@ -26,29 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from . import rope_kernels
+from . import rope_kernels, router_kernels
 from .norm_kernels import add_rms_norm
 
 
 def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` in float32, as transformers' router computes it (``F.linear`` of both in float32).
-
-    On a GPU with bf16 ``hidden``: the float32 weight is split into three bf16 parts whose sum is the weight
-    exactly (3 × 8 mantissa bits hold its 24), each bf16 × bf16 product is exact in float32, and the GEMM
-    accumulates in float32; so the logits differ from the float32 GEMM's only by the order of float32
-    additions, at tensor-core speed and without a float32 copy of the hidden state."""
-    if hidden.is_cuda and hidden.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-        w = weight.float()
-        hi = w.to(torch.bfloat16)
-        rest = w - hi.float()
-        mid = rest.to(torch.bfloat16)
-        lo = (rest - mid.float()).to(torch.bfloat16)
-        try:
-            parts = torch.mm(hidden, torch.cat([hi, mid, lo]).T, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # a torch without mm's float32 output for bf16 inputs
-            parts = None
-        if parts is not None:
-            return parts.view(hidden.shape[0], 3, -1).sum(1)
+    """``hidden @ weight.T`` in float32, as transformers' router computes it: on a GPU through
+    ``router_kernels`` (bf16 rows times the float32 weight split exactly into three bf16 parts, on the tensor
+    cores), elsewhere ``F.linear`` of both in float32."""
+    if router_kernels.runs_kernel(hidden, weight):
+        return router_kernels.logits(hidden, weight)
     return F.linear(hidden.type(torch.float32), weight.type(torch.float32))
 
 
