@@ -166,3 +166,61 @@ def test_other_ranks_report_under_ranks_folder(tmp_path, cli):
     assert (run_dir / "ranks" / "rank1" / "report.html").is_file()
     assert not (run_dir / "report.html").exists()
     assert json.loads((run_dir / "ranks" / "rank1" / "status.json").read_text())["rank"] == 1
+
+
+def test_sigterm_stops_the_notebooks_kernel_and_leaves_a_status(tmp_path):
+    """Slurm's cancel, or a job requeueing itself, sends TERM to `dsr1kit run`: the kernel must stop with it
+    (it ran on, writing results, after the job had decided to requeue), and the run still gets its status."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    beat, pid_file = tmp_path / "beat", tmp_path / "kernel.pid"
+    nb = nbformat.read(ROOT / NB00, as_version=4)
+    loop = (
+        "import os, time\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "for i in range(1200):\n"
+        f"    open({str(beat)!r}, 'w').write(str(i))\n"
+        "    time.sleep(0.1)\n"
+    )
+    nb.cells.insert(3, nbformat.v4.new_code_cell(loop))
+    slow = tmp_path / "nb" / "00_cluster_check.ipynb"
+    slow.parent.mkdir()
+    nbformat.write(nb, slow)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsr1kit.cli", "run", str(slow), "-f", TINY00, "--runs-dir", str(runs), "-q"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (beat.is_file() and beat.read_text() not in ("", "0")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        kernel = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(kernel, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(kernel, signal.SIGKILL)
+        raise AssertionError("the kernel outlived `dsr1kit run` after SIGTERM")
+    stopped_at = beat.read_text()
+    time.sleep(0.5)
+    assert beat.read_text() == stopped_at  # nothing is written any more
+    status = json.loads((_only_run(runs) / "status.json").read_text())
+    assert status["status"] == "failed" and status["finished"]

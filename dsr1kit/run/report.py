@@ -8,10 +8,12 @@ still leaves its partial report and a failed status naming the cell.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -157,6 +159,35 @@ def find_notebook(notebook: str | Path) -> Path:
     return notebook
 
 
+@contextlib.contextmanager
+def kernel_stops_on_term():
+    """SIGTERM to this process (Slurm's cancel, or a job requeueing itself before its time limit) stops the
+    notebook's kernel too, then leaves as Ctrl-C would (the status and partial report are still written).
+
+    papermill runs the kernel as a child process; without this, the kernel outlives us and goes on executing
+    its cell: an evaluation kept asking and writing answers after the job had decided to requeue, so the
+    requeued job found them all answered."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def on_term(_signum, _frame):
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.terminate()
+            except psutil.Error:
+                pass
+        raise KeyboardInterrupt("SIGTERM: the notebook's kernel was stopped")
+
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_notebook(
     notebook: str | Path,
     parameters: dict[str, Any],
@@ -204,7 +235,7 @@ def run_notebook(
     t0 = time.monotonic()
     error: BaseException | None = None
     try:
-        with redacted_cell_log():
+        with redacted_cell_log(), kernel_stops_on_term():
             pm.execute_notebook(
                 str(notebook),
                 str(ipynb),
