@@ -17,6 +17,9 @@ no_grad as the prefix pass runs it:
 - **fp8-lean**: the fp8 layer with the prefix pass's leaner forward
   (``prefix_layer``: query, key and value in the GEMMs' own layout, the
   residual add and RMSNorm in one pass), which the FP8 prefix pass runs;
+- **fp8-lean-kernels**: fp8-lean with the rotary/key kernel and the router
+  kernel switched on (``rope_kernels``, ``router_kernels``; off by default
+  until they have run on a GPU);
 - **nf4-lean**: the nf4 layer with that forward, to show what it would give
   the NF4 path (which keeps transformers' forward);
 - **fp8-triton**: the same modules with every GEMM on the kit's Triton kernels
@@ -75,6 +78,22 @@ def fp8_route(dense: str = "auto", nf4: str = "auto"):
     finally:
         fp8_kernels.set_dense_route(before[0])
         experts_nf4.set_route(before[1])
+
+
+@contextlib.contextmanager
+def lean_kernels(on: bool):
+    """The lean layer's rotary/key and router kernels switched on (or left as they are)."""
+    from dsr1kit.model import rope_kernels, router_kernels
+
+    before = rope_kernels.enabled, router_kernels.enabled
+    if on:
+        rope_kernels.set_enabled(True)
+        router_kernels.set_enabled(True)
+    try:
+        yield
+    finally:
+        rope_kernels.set_enabled(before[0])
+        router_kernels.set_enabled(before[1])
 
 
 @contextlib.contextmanager
@@ -163,6 +182,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
         "nf4-lean": nf4_layer,
         "fp8": fp8_layer,
         "fp8-lean": fp8_layer,
+        "fp8-lean-kernels": fp8_layer,
         "fp8-triton": fp8_layer,
     }
     routes = {
@@ -200,7 +220,8 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
             with (
                 torch.no_grad(),
                 fp8_route(**routes.get(name, {})),
-                lean_forward(variant, name.endswith("-lean")),
+                lean_forward(variant, "-lean" in name),
+                lean_kernels(name.endswith("-kernels")),
             ):
                 model.model(inputs_embeds=hidden, use_cache=False)  # as the prefix pass calls it
                 outputs[name] = dict(captured)
@@ -434,7 +455,7 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = False) -> list[dict]:
+def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = False, kernels: bool = False):
     """Where the FP8 layer's time goes at 4×4096 tokens: CUDA time per kernel name, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -442,9 +463,10 @@ def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = Fal
     fp8_compute.to_fp8_(model.model.layers[0])
     if lean:
         lean_prefix_layers_(model.model.layers[0])
+    forward = "lean+kernels" if kernels else "lean" if lean else "transformers"
     seq = 64 if args.tiny else 4096
     hidden = torch.randn(4, seq, config.hidden_size, device=device, dtype=torch.bfloat16)
-    with torch.no_grad():
+    with torch.no_grad(), lean_kernels(kernels):
         for _ in range(2):
             model.model(inputs_embeds=hidden, use_cache=False)
         free(device)
@@ -465,9 +487,9 @@ def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = Fal
     total = sum(r["ms_per_forward"] for r in rows)
     del model
     free(device)
-    return [
-        {"layer": kind, "forward": "lean" if lean else "transformers", "total_kernel_ms": round(total, 2)}
-    ] + [dict(r, forward="lean" if lean else "transformers") for r in rows[:25]]
+    return [{"layer": kind, "forward": forward, "total_kernel_ms": round(total, 2)}] + [
+        dict(r, forward=forward) for r in rows[:25]
+    ]
 
 
 def router_rows(device: torch.device, tokens: int = 16384) -> list[dict]:
@@ -487,7 +509,7 @@ def router_rows(device: torch.device, tokens: int = 16384) -> list[dict]:
         rows.append(
             {"router": "torch.mm out_dtype=float32", "error": f"{type(err).__name__}: {str(err)[:200]}"}
         )
-    with torch.no_grad():
+    with torch.no_grad(), lean_kernels(True):
         want = F.linear(hidden.float(), weight)
         rows.append(
             {"router": "router_logits vs float32", "rel_error": rel(router_logits(hidden, weight), want)}
@@ -530,6 +552,7 @@ def main() -> None:
     profiled = []
     if args.profile and device.type == "cuda":
         profiled = router_rows(device) + profile_rows(args, device) + profile_rows(args, device, lean=True)
+        profiled += profile_rows(args, device, lean=True, kernels=True)
     for r in profiled:
         print(json.dumps(r), flush=True)
     for kind in [k for k in args.layers.split(",") if k]:
@@ -551,11 +574,13 @@ def main() -> None:
                 "fp8_lean_over_fp8": round(by["fp8"]["ms"] / by["fp8-lean"]["ms"], 2),
                 "nf4_lean_over_nf4": round(by["nf4"]["ms"] / by["nf4-lean"]["ms"], 2),
                 "fp8_lean_over_nf4_lean": round(by["nf4-lean"]["ms"] / by["fp8-lean"]["ms"], 2),
+                "fp8_lean_kernels_over_nf4": round(by["nf4"]["ms"] / by["fp8-lean-kernels"]["ms"], 2),
             }
             if by["fp8-lean"].get("ms_back_to_back"):
                 b2b = {k: r["ms_back_to_back"] for k, r in by.items() if r.get("ms_back_to_back")}
                 summary[f"{kind} {batch}x{seq}"].update(
                     fp8_lean_over_nf4_back_to_back=round(b2b["nf4"] / b2b["fp8-lean"], 2),
+                    fp8_lean_kernels_over_nf4_back_to_back=round(b2b["nf4"] / b2b["fp8-lean-kernels"], 2),
                     fp8_over_nf4_back_to_back=round(b2b["nf4"] / b2b["fp8"], 2),
                     fp8_lean_over_nf4_lean_back_to_back=round(b2b["nf4-lean"] / b2b["fp8-lean"], 2),
                 )

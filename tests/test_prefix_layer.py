@@ -128,6 +128,10 @@ INTERPRETED_SCRIPT = textwrap.dedent(
     from dsr1kit.model import norm_kernels as nk, rope_kernels as rk
     from dsr1kit.model.prefix_layer import lean_prefix_layers_
     from tests.test_prefix_layer import padded_batch, tiny_deepseek, torch_rope_and_key
+    from dsr1kit.model import router_kernels
+
+    rk.set_enabled(True)  # off by default until they have run on a GPU
+    router_kernels.set_enabled(True)
 
 
     def rel(a, b):
@@ -173,8 +177,6 @@ INTERPRETED_SCRIPT = textwrap.dedent(
                 key_nope_equal=bool(torch.equal(key1[..., :nope], key2[..., :nope])),
             )
         if dtype == torch.bfloat16:
-            from dsr1kit.model import router_kernels
-
             hidden = torch.randn(70, 200, generator=g).to(dtype)  # partial tiles both ways
             weight = torch.randn(40, 200, generator=g) * 0.02
             with torch.no_grad():
@@ -255,8 +257,9 @@ def test_lean_layers_with_their_kernels_match_transformers_interpreted(interpret
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_lean_layers_match_transformers_on_a_gpu(attn):
+def test_lean_layers_match_transformers_on_a_gpu(attn, kernels, monkeypatch):
     """The norm kernel and cuDNN's attention on strided query/key/value: within bf16 rounding of transformers'
     layer (the mean's addition order may move a normalized element by one bf16 step)."""
     model = tiny_deepseek(
@@ -278,11 +281,12 @@ def test_lean_layers_match_transformers_on_a_gpu(attn):
 
 
 @pytest.mark.gpu
-def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu():
+def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
     """Three bf16 parts hold the float32 weight exactly, so only the order of float32 additions differs."""
     from dsr1kit.model import router_kernels
     from dsr1kit.model.prefix_layer import router_logits
 
+    monkeypatch.setattr(router_kernels, "enabled", True)
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(4096, 7168, generator=g, device="cuda").to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device="cuda") * 0.02
@@ -300,11 +304,12 @@ def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interleave):
+def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interleave, monkeypatch):
     """R1's widths (128 heads, 128 + 64 key dims, 128 value dims): the kernel rounds as torch's elementwise
     kernels round, so query and key are the same bits."""
     from dsr1kit.model import rope_kernels
 
+    monkeypatch.setattr(rope_kernels, "enabled", True)
     g = torch.Generator(device="cuda").manual_seed(6)
     b, s, h, nope, rope, v = 2, 300, 128, 128, 64, 128
     q = torch.randn(b, s, h * (nope + rope), generator=g, device="cuda").bfloat16().view(b, s, h, nope + rope)
