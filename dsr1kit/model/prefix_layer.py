@@ -7,11 +7,12 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
 - query, key and value stay in [batch, seq, heads, dim] order, the GEMMs' own output layout, and reach
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
-- the rotary step and the key's assembly are one pass on GPUs (``rope_kernels``: the query rotated in
-  place, the key written whole); elsewhere transformers' own rotary functions, written back in place;
+- the rotary part is computed by transformers' own functions and written back into the query in place;
+  or, switched on (``rope_kernels.set_enabled``; off until it has run on a GPU), one Triton pass rotates
+  the query in place and writes the whole key;
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
-- the router's float32 logits come from the tensor cores (``router_kernels``) instead of a float32 copy of
-  the hidden state and a float32 GEMM on the CUDA cores.
+- the router's float32 logits are transformers' float32 GEMM; or, switched on (``router_kernels``, off
+  likewise), a Triton GEMM on the tensor cores.
 
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
