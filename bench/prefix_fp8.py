@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from bench.common import build, free, peak_gib, quantize_linears_, r1_config, reset_peak, timed, tiny_config
-from dsr1kit.model import fp8_compute
+from dsr1kit.model import fp8_compute, prefix_layer
 from dsr1kit.model.experts_nf4 import NF4Experts
 from dsr1kit.model.fp8 import dequantize_fp8_blocks
 from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
@@ -83,17 +83,12 @@ def fp8_route(dense: str = "auto", nf4: str = "auto"):
 @contextlib.contextmanager
 def lean_kernels(on: bool):
     """The lean layer's rotary/key and router kernels switched on (or left as they are)."""
-    from dsr1kit.model import rope_kernels, router_kernels
-
-    before = rope_kernels.enabled, router_kernels.enabled
-    if on:
-        rope_kernels.set_enabled(True)
-        router_kernels.set_enabled(True)
+    before = prefix_layer.new_kernels
+    prefix_layer.set_new_kernels(on or before)
     try:
         yield
     finally:
-        rope_kernels.set_enabled(before[0])
-        router_kernels.set_enabled(before[1])
+        prefix_layer.set_new_kernels(before)
 
 
 @contextlib.contextmanager
@@ -106,9 +101,9 @@ def lean_forward(layer: torch.nn.Module, on: bool = True):
     try:
         yield
     finally:
+        original = {lean: plain for plain, lean in LEAN.items()}
         for module in layer.modules():
-            if type(module) in LEAN.values():
-                module.__class__ = module.__class__.__mro__[1]
+            module.__class__ = original.get(type(module), type(module))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -502,13 +497,6 @@ def router_rows(device: torch.device, tokens: int = 16384) -> list[dict]:
     hidden = torch.randn(tokens, 7168, generator=g, device=device).to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device=device) * 0.02
     rows = []
-    try:
-        torch.mm(hidden, weight.to(torch.bfloat16).T, out_dtype=torch.float32)
-        rows.append({"router": "torch.mm out_dtype=float32", "runs": True})
-    except Exception as err:  # noqa: BLE001 - the probe records whatever torch says
-        rows.append(
-            {"router": "torch.mm out_dtype=float32", "error": f"{type(err).__name__}: {str(err)[:200]}"}
-        )
     with torch.no_grad(), lean_kernels(True):
         want = F.linear(hidden.float(), weight)
         rows.append(

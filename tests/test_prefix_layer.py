@@ -126,12 +126,11 @@ INTERPRETED_SCRIPT = textwrap.dedent(
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
     from dsr1kit.model import norm_kernels as nk, rope_kernels as rk
-    from dsr1kit.model.prefix_layer import lean_prefix_layers_
-    from tests.test_prefix_layer import padded_batch, tiny_deepseek, torch_rope_and_key
     from dsr1kit.model import router_kernels
+    from dsr1kit.model.prefix_layer import lean_prefix_layers_, set_new_kernels
+    from tests.test_prefix_layer import padded_batch, tiny_deepseek, torch_rope_and_key
 
-    rk.set_enabled(True)  # off by default until they have run on a GPU
-    router_kernels.set_enabled(True)
+    set_new_kernels(True)  # the lean layers below take them; off by default until they have run on a GPU
 
 
     def rel(a, b):
@@ -262,6 +261,7 @@ def test_lean_layers_with_their_kernels_match_transformers_interpreted(interpret
 def test_lean_layers_match_transformers_on_a_gpu(attn, kernels, monkeypatch):
     """The norm kernel and cuDNN's attention on strided query/key/value: within bf16 rounding of transformers'
     layer (the mean's addition order may move a normalized element by one bf16 step)."""
+    monkeypatch.setattr(prefix_layer, "new_kernels", kernels)  # with and without the rotary/router kernels
     model = tiny_deepseek(
         attn, True, torch.bfloat16, hidden_size=512, num_attention_heads=8, num_key_value_heads=8
     )
@@ -286,7 +286,7 @@ def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
     from dsr1kit.model import router_kernels
     from dsr1kit.model.prefix_layer import router_logits
 
-    monkeypatch.setattr(router_kernels, "enabled", True)
+    monkeypatch.setattr(prefix_layer, "new_kernels", True)
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(4096, 7168, generator=g, device="cuda").to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device="cuda") * 0.02
@@ -309,7 +309,6 @@ def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interle
     kernels round, so query and key are the same bits."""
     from dsr1kit.model import rope_kernels
 
-    monkeypatch.setattr(rope_kernels, "enabled", True)
     g = torch.Generator(device="cuda").manual_seed(6)
     b, s, h, nope, rope, v = 2, 300, 128, 128, 64, 128
     q = torch.randn(b, s, h * (nope + rope), generator=g, device="cuda").bfloat16().view(b, s, h, nope + rope)

@@ -13,15 +13,9 @@ another dtype than the input, and under autograd.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with CUDA builds of torch; without it, the module's own forward runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without Triton
-    triton = None
+from .triton_guard import runs_triton, tl, triton
 
 
 def _add_rms_norm(
@@ -61,12 +55,9 @@ if triton is not None:
 
 
 def runs_kernel(x: torch.Tensor, norm: torch.nn.Module) -> bool:
-    """Whether ``add_rms_norm`` takes the kernel for ``x``: a CUDA tensor (or Triton's interpreter), no autograd,
-    and a weight of x's dtype (another dtype promotes the product, which the module does itself)."""
-    if triton is None:
-        return False
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and not torch.is_grad_enabled() and norm.weight.dtype == x.dtype
+    """Whether ``add_rms_norm`` takes the kernel for ``x``: Triton runs here (``runs_triton``) and the weight
+    has x's dtype (another dtype promotes the product, which the module does itself)."""
+    return runs_triton(x) and norm.weight.dtype == x.dtype
 
 
 def add_rms_norm(

@@ -8,11 +8,11 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
 - the rotary part is computed by transformers' own functions and written back into the query in place;
-  or, switched on (``rope_kernels.set_enabled``; off until it has run on a GPU), one Triton pass rotates
-  the query in place and writes the whole key;
+  or, switched on (``set_new_kernels``; off until it has run on a GPU), one Triton pass rotates the query
+  in place and writes the whole key (``rope_kernels``);
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
-- the router's float32 logits are transformers' float32 GEMM; or, switched on (``router_kernels``, off
-  likewise), a Triton GEMM on the tensor cores.
+- the router's float32 logits are transformers' float32 GEMM; or, switched on likewise, a Triton GEMM on
+  the tensor cores (``router_kernels``).
 
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
@@ -30,12 +30,22 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from . import rope_kernels, router_kernels
 from .norm_kernels import add_rms_norm
 
+# The rotary/key and router kernels pass their tests through Triton's interpreter but have not yet run on a
+# GPU: off until `pytest -m gpu tests/test_prefix_layer.py` and bench.prefix_fp8's fp8-lean-kernels path have.
+new_kernels = False
+
+
+def set_new_kernels(on: bool) -> None:
+    """Whether the lean layer takes the rotary/key and router kernels (benchmarks and tests switch them)."""
+    global new_kernels
+    new_kernels = bool(on)
+
 
 def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T`` in float32, as transformers' router computes it: on a GPU through
     ``router_kernels`` (bf16 rows times the float32 weight split exactly into three bf16 parts, on the tensor
     cores), elsewhere ``F.linear`` of both in float32."""
-    if router_kernels.runs_kernel(hidden, weight):
+    if new_kernels and router_kernels.runs_kernel(hidden, weight):
         return router_kernels.logits(hidden, weight)
     return F.linear(hidden.type(torch.float32), weight.type(torch.float32))
 
@@ -66,7 +76,7 @@ class PrefixAttention(ds.DeepseekV3Attention):
 
         cos, sin = position_embeddings
         interleave = bool(self.config.rope_interleave)
-        if rope_kernels.runs_kernel(q, cos, nope, rope):
+        if new_kernels and rope_kernels.runs_kernel(q, cos, nope, rope):
             key = rope_kernels.rope_and_key(q, kv, k_rot, cos, sin, nope, interleave)
         else:
             rotate = ds.apply_rotary_pos_emb_interleave if interleave else ds.apply_rotary_pos_emb
@@ -181,5 +191,7 @@ __all__ = [
     "PrefixDecoderLayer",
     "PrefixRouter",
     "lean_prefix_layers_",
+    "new_kernels",
     "router_logits",
+    "set_new_kernels",
 ]

@@ -13,15 +13,9 @@ interleaved layout, ``apply_rotary_pos_emb`` otherwise), so on a GPU the result 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with CUDA builds of torch; without it, the torch ops run
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without Triton
-    triton = None
+from .triton_guard import runs_triton, tl, triton
 
 
 def _rope_key(
@@ -93,25 +87,12 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-# Off by default: the kernel passes its tests through Triton's interpreter, but has not yet run on a GPU.
-# bench.prefix_fp8 times it beside the torch path (``fp8-lean-kernels``) and the CUDA tests check it bit for
-# bit; turn it on (``set_enabled``) once both have run.
-enabled = False
-
-
-def set_enabled(on: bool) -> None:
-    """Whether the lean prefix layer takes this kernel (benchmarks and tests switch it)."""
-    global enabled
-    enabled = bool(on)
-
-
 def runs_kernel(q: torch.Tensor, cos: torch.Tensor, nope: int, rope: int) -> bool:
-    """Whether ``rope_and_key`` takes the kernel: CUDA (or Triton's interpreter), no autograd, cos/sin in q's
-    dtype (as transformers' rotary embedding returns them), and widths the kernel tiles (powers of two)."""
-    if not enabled or triton is None or torch.is_grad_enabled() or cos.dtype != q.dtype:
+    """Whether ``rope_and_key`` can take the kernel: Triton runs here (``runs_triton``), cos/sin in q's dtype
+    (as transformers' rotary embedding returns them), and widths the kernel tiles (powers of two)."""
+    if not runs_triton(q) or cos.dtype != q.dtype:
         return False
-    on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and _power_of_two(nope) and _power_of_two(rope // 2) and rope % 2 == 0
+    return _power_of_two(nope) and _power_of_two(rope // 2) and rope % 2 == 0
 
 
 def rope_and_key(
@@ -168,4 +149,4 @@ def rope_and_key(
     return key
 
 
-__all__ = ["enabled", "rope_and_key", "runs_kernel", "set_enabled"]
+__all__ = ["rope_and_key", "runs_kernel"]

@@ -10,17 +10,9 @@ float32 GEMM's only by the order of the float32 additions. The split is done in 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with CUDA builds of torch
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without Triton
-    triton = None
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from .triton_guard import INTERPRETING, runs_triton, tl, triton
 
 
 def _logits(
@@ -95,26 +87,14 @@ if triton is not None:
         )(_logits)
 
 
-# Off by default: the kernel passes its tests through Triton's interpreter, but has not yet run on a GPU.
-# bench.prefix_fp8 times it beside the torch path (``fp8-lean-kernels``) and the CUDA tests check it bit for
-# bit; turn it on (``set_enabled``) once both have run.
-enabled = False
-
-
-def set_enabled(on: bool) -> None:
-    """Whether the lean prefix layer takes this kernel (benchmarks and tests switch it)."""
-    global enabled
-    enabled = bool(on)
-
-
 def runs_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``logits`` takes the kernel: bf16 rows on a GPU (or Triton's interpreter), a float32 weight,
-    no autograd."""
-    if not enabled or triton is None or torch.is_grad_enabled():
-        return False
-    on_device = hidden.is_cuda or INTERPRETING
+    """Whether ``logits`` can take the kernel: Triton runs here (``runs_triton``), bf16 rows, a float32
+    weight."""
     return (
-        on_device and hidden.dtype == torch.bfloat16 and weight.dtype == torch.float32 and hidden.dim() == 2
+        runs_triton(hidden)
+        and hidden.dtype == torch.bfloat16
+        and weight.dtype == torch.float32
+        and hidden.dim() == 2
     )
 
 
@@ -133,4 +113,4 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["enabled", "logits", "runs_kernel", "set_enabled"]
+__all__ = ["logits", "runs_kernel"]
