@@ -15,7 +15,9 @@ def expert_tiles(
     so nothing waits for the GPU to count."""
     flat = top_k_index.reshape(-1)
     slots = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the input's min and max back to the host (two syncs per layer)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -27,5 +29,5 @@ def expert_tiles(
     rows[position] = order.to(torch.int32)
     tile_start = torch.arange(0, bound, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
-    block_expert[block_expert >= num_experts] = -1
+    block_expert.masked_fill_(block_expert >= num_experts, -1)  # not a boolean index: that syncs for nonzero
     return rows, block_expert
