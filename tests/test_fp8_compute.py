@@ -153,6 +153,22 @@ def test_r1s_fp8_shards_load_as_stored(r1_tiny_both):
     assert fp8.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router as transformers keeps it
 
 
+def test_the_loaded_fp8_models_layers_run_the_lean_forward(r1_tiny_both, monkeypatch):
+    """The loader keeps the router fp32 (an autocast-free forward) and then swaps in the lean classes: each
+    router must still run the lean router's forward, and each layer the lean layer's."""
+    from dsr1kit.model import prefix_layer
+
+    _, fp8, _ = r1_tiny_both
+    calls = []
+    original = prefix_layer.router_logits
+    monkeypatch.setattr(prefix_layer, "router_logits", lambda h, w: calls.append(1) or original(h, w))
+    moe = [layer for layer in fp8.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe and all(type(layer.mlp.gate) is prefix_layer.PrefixRouter for layer in moe)
+    with torch.no_grad():
+        fp8(input_ids=torch.arange(12)[None] % fp8.config.vocab_size)
+    assert len(calls) == len(moe)
+
+
 def _keep(store: dict, key):
     def hook(_module, _inputs, output):
         store[key] = output[0] if isinstance(output, tuple) else output

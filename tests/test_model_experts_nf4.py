@@ -126,6 +126,25 @@ def test_routing_stays_fp32_under_autocast(bf16_model, routed):
     assert logits.dtype == torch.float32 and torch.equal(index, expected[2])
 
 
+def test_an_fp32_router_keeps_its_own_weights_when_copied_and_its_class_when_swapped(bf16_model, routed):
+    """The autocast-free forward is looked up at call time on the module it is bound to: a deepcopy routes with
+    its own weights, and a class swapped in afterwards (the prefix pass's lean router) is the one that runs."""
+    router = copy.deepcopy(bf16_model.model.layers[1].mlp.gate)
+    keep_routing_fp32(router)
+    twin = copy.deepcopy(router)
+    with torch.no_grad():
+        twin.weight.mul_(-1.0)
+    hidden = routed[0]
+    assert not torch.equal(twin(hidden)[0], router(hidden)[0])
+
+    class Swapped(type(router)):
+        def forward(self, hidden_states):
+            return "swapped"
+
+    twin.__class__ = Swapped
+    assert twin(hidden) == "swapped"
+
+
 # -- training through NF4 experts -------------------------------------------------------------
 
 

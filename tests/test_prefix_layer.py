@@ -282,7 +282,8 @@ def test_lean_layers_match_transformers_on_a_gpu(attn, kernels, monkeypatch):
 
 @pytest.mark.gpu
 def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
-    """Three bf16 parts hold the float32 weight exactly, so only the order of float32 additions differs."""
+    """Three bf16 parts hold the float32 weight exactly, and each slice's sum is added outside the tensor
+    cores: float32 GEMM-level error (a bf16 GEMM's, for scale, is ~2e-3), the same top-8 for nearly every row."""
     from dsr1kit.model import router_kernels
     from dsr1kit.model.prefix_layer import router_logits
 
@@ -295,7 +296,8 @@ def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
         got = router_logits(hidden, weight)
         want = torch.nn.functional.linear(hidden.float(), weight)
     assert got.dtype == torch.float32
-    assert float((got - want).norm() / want.norm()) < 1e-6
+    error = float((got - want).norm() / want.norm())
+    assert error < 2e-6, error
     same = (got.topk(8, dim=-1).indices.sort(-1).values == want.topk(8, dim=-1).indices.sort(-1).values).all(
         -1
     )

@@ -25,6 +25,7 @@ allocates; the same code runs on CPU (tests) and CUDA.
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass
 from math import prod
 
@@ -419,18 +420,17 @@ def keep_routing_fp32(model: nn.Module) -> int:
         if not type(module).__name__.endswith("TopkRouter") or getattr(module, "_dsr1kit_fp32", False):
             continue
         module.float()
-        module.forward = _autocast_off(module.forward)
+        module.forward = types.MethodType(_forward_without_autocast, module)
         module._dsr1kit_fp32 = True
         count += 1
     return count
 
 
-def _autocast_off(forward):
-    def wrapped(hidden_states, *args, **kwargs):
-        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            return forward(hidden_states, *args, **kwargs)
-
-    return wrapped
+def _forward_without_autocast(self, hidden_states, *args, **kwargs):
+    """The class's forward as it is at call time, so a later class swap (the prefix pass's lean router) is
+    taken, and a bound method, so ``deepcopy`` rebinds it to the copy."""
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
 
 
 def nf4_bytes(module: nn.Module) -> int:
