@@ -82,9 +82,9 @@ def fp8_route(dense: str = "auto", nf4: str = "auto"):
 
 @contextlib.contextmanager
 def lean_kernels(on: bool):
-    """The lean layer's rotary/key and router kernels switched on (or left as they are)."""
+    """The lean layer with its rotary/key and router kernels switched on or off (fp8-lean-kernels, fp8-lean)."""
     before = prefix_layer.new_kernels
-    prefix_layer.set_new_kernels(on or before)
+    prefix_layer.set_new_kernels(on)
     try:
         yield
     finally:

@@ -255,6 +255,36 @@ def test_lean_layers_with_their_kernels_match_transformers_interpreted(interpret
     assert interpreted["layers"]["bfloat16"] < 3e-2  # and the interpreter's truncating bf16 (measured 1.8%)
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_the_rotary_kernel_compiles_to_separately_rounded_products_and_sums(interleave):
+    """Bit-exactness with torch needs each bf16 product rounded before the sum: compiled for an H100 (no GPU
+    needed) with the options it is launched with, the kernel's PTX multiplies and adds in bf16 and has no fused
+    multiply-add."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsr1kit.model import rope_kernels
+
+    ints = ["H", "stride_qt", "stride_qh", "stride_kvt", "stride_kvh", "stride_krt", "stride_ct", "stride_st"]
+    signature = {p: "*bf16" for p in ("Q", "KV", "KR", "COS", "SIN", "KEY")}
+    signature |= {p: "i32" for p in [*ints, "stride_kt", "stride_kh"]}
+    constants = {"NOPE": 128, "HALF": 32, "INTERLEAVE": interleave, "BLOCK_H": 16}
+    signature |= {p: "constexpr" for p in constants}
+    source = ASTSource(fn=rope_kernels._rope_key, signature=signature, constexprs=constants)
+    try:
+        ptx = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=rope_kernels.COMPILE_OPTIONS
+        ).asm["ptx"]
+    except Exception as err:  # a Triton without the NVIDIA backend or its ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {err}")
+    ops = re.findall(r"^\s*([a-z][a-z0-9_.]+)\s", ptx, re.M)
+    assert not [op for op in ops if op.startswith("fma")], "a product fused into a sum"
+    assert any(op.startswith("mul.rn.bf16") for op in ops) and any(op.startswith("sub.rn.bf16") for op in ops)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

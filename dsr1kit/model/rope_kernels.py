@@ -8,7 +8,9 @@ in place and writes the whole key.
 
 The arithmetic is transformers' own, rounding included: each product and each sum rounded to the tensors'
 dtype, as torch's elementwise kernels round them (``apply_rotary_pos_emb_interleave`` for DeepSeek's
-interleaved layout, ``apply_rotary_pos_emb`` otherwise), so on a GPU the result is bit for bit the same.
+interleaved layout, ``apply_rotary_pos_emb`` otherwise), so on a GPU the result is bit for bit the same. That
+needs Triton's floating-point contraction off: with it on, the compiler turns ``round(a·c) − round(b·s)``
+into one bf16 FMA, which skips the second product's rounding (seen in the PTX: ``fma.rn.bf16``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ if triton is not None:
     _rope_key = triton.jit(_rope_key)
 
 
+# fp fusion off: else each product folds into the sum as one FMA, rounded once instead of twice
+COMPILE_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -144,9 +150,9 @@ def rope_and_key(
         HALF=rope // 2,
         INTERLEAVE=interleave,
         BLOCK_H=block_h,
-        num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return key
 
 
-__all__ = ["rope_and_key", "runs_kernel"]
+__all__ = ["COMPILE_OPTIONS", "rope_and_key", "runs_kernel"]
