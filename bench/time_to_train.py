@@ -39,11 +39,17 @@ def hours(seconds: float) -> str:
 def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
     """Tokens/s per GPU of R1's 60-layer prefix (3 dense + 57 MoE) from bench.prefix_fp8's layer times.
 
-    The kit's FP8 path is the lean layer (``fp8-lean``) where the file has it, timed back to back as the
-    prefix pass runs its layers where the file has that; older files give the ``fp8`` path, timed alone."""
+    The kit's FP8 path is the lean layer, with its rotary/key and router kernels where the kit switches them
+    on by default (``prefix_layer.new_kernels``) and the file has that path (``fp8-lean-kernels``), else
+    without (``fp8-lean``); timed back to back as the prefix pass runs its layers where the file has that.
+    Older files give the ``fp8`` path, timed alone."""
+    from dsr1kit.model import prefix_layer
+
     f = json.loads(path.read_text())
     rows = [r for r in f["rows"] if [r["batch"], r["seq"]] == shape]
-    path_name = "fp8-lean" if any(r["path"] == "fp8-lean" for r in rows) else "fp8"
+    paths = {r["path"] for r in rows}
+    wanted = ["fp8-lean-kernels"] if prefix_layer.new_kernels else []
+    path_name = next(p for p in [*wanted, "fp8-lean", "fp8"] if p in paths)
     mine = [r for r in rows if r["path"] == path_name]
     key = "ms_back_to_back" if all(r.get("ms_back_to_back") for r in mine) else "ms"
     ms = {r["layer"]: r[key] for r in mine}
