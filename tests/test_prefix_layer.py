@@ -268,9 +268,9 @@ def test_the_rotary_kernel_compiles_to_separately_rounded_products_and_sums(inte
 
     from dsr1kit.model import rope_kernels
 
-    ints = ["H", "stride_qt", "stride_qh", "stride_kvt", "stride_kvh", "stride_krt", "stride_ct", "stride_st"]
+    strides = ("qt", "qh", "kvt", "kvh", "krt", "ct", "st", "kt", "kh")
     signature = {p: "*bf16" for p in ("Q", "KV", "KR", "COS", "SIN", "KEY")}
-    signature |= {p: "i32" for p in [*ints, "stride_kt", "stride_kh"]}
+    signature |= {"H": "i32"} | {f"stride_{p}": "i32" for p in strides}
     constants = {"NOPE": 128, "HALF": 32, "INTERLEAVE": interleave, "BLOCK_H": 16}
     signature |= {p: "constexpr" for p in constants}
     source = ASTSource(fn=rope_kernels._rope_key, signature=signature, constexprs=constants)
@@ -336,7 +336,7 @@ def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleave", [True, False])
-def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interleave, monkeypatch):
+def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interleave):
     """R1's widths (128 heads, 128 + 64 key dims, 128 value dims): the kernel rounds as torch's elementwise
     kernels round, so query and key are the same bits."""
     from dsr1kit.model import rope_kernels
