@@ -19,9 +19,10 @@ NF4 experts, their weights read each way (``experts_nf4`` routes: dequantized
 by bitsandbytes for ``grouped_mm``, then the kit's NF4 grouped kernel), the two
 alternating run by run, so their ratio comes from one run on one GPU; and with the
 reference's last hidden states run in the step (the adapted layers a second time,
-adapter off) or handed to it as a reference cache would (``--compare`` picks).
+adapter off) or handed to it as a reference cache would; and with bf16 experts
+run by transformers' ``grouped_mm`` forward or the kit's (``--compare`` picks).
 With ``reference`` compared, the profile shows the step with the reference
-read from the cache, as the kit runs it by default.
+read from the cache, as the kit runs it by default; the experts are the kit's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from bench.common import free, layer_compiler, peak_gib, reset_peak, sync
 from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config, reference_route
 from dsr1kit.model import experts_nf4
+from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION
 from dsr1kit.train import vocab_loss
 
 KINDS = (
@@ -61,6 +63,17 @@ ROUTES = {
     "loss": (vocab_loss.set_route, ("torch", "fused")),
     "nf4": (experts_nf4.set_route, ("dequant", "fused")),
 }
+
+
+def experts_route(model):
+    """A switch for ``compare_routes``: bf16 experts through transformers' ``grouped_mm`` forward, or the kit's
+    (``dsr1kit.model.experts_grouped``: the rows back in token order before the fp32 routing weights)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def switch(name: str) -> None:
+        base.set_experts_implementation("grouped_mm" if name == "transformers" else EXPERTS_IMPLEMENTATION)
+
+    return switch
 
 
 def compare_routes(which: str, model, batch, first: int, device, iters: int, routes=None) -> dict:
@@ -116,7 +129,7 @@ def main() -> None:
         "--compare",
         default="loss,nf4,reference",
         help="what to time two ways: loss (torch | fused), nf4 (dequant | fused; NF4 experts only), reference "
-        "(run in the step | read from a cache)",
+        "(run in the step | read from a cache), experts (bf16 experts: transformers' grouped_mm forward | the kit's)",
     )
     ap.add_argument(
         "--compile", action="store_true", help="also time the adapted layers through torch.compile"
@@ -136,9 +149,9 @@ def main() -> None:
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
     compare = {c.strip() for c in args.compare.split(",") if c.strip()}
-    unknown = compare - {"loss", "nf4", "reference"}
+    unknown = compare - {"loss", "nf4", "reference", "experts"}
     if unknown:
-        raise SystemExit(f"--compare: unknown {sorted(unknown)}; choose from loss, nf4, reference")
+        raise SystemExit(f"--compare: unknown {sorted(unknown)}; choose from loss, nf4, reference, experts")
     routes = {}
     if "loss" in compare:
         routes["loss"] = compare_routes("loss", model, batch, first, device, args.time_iters)
@@ -150,6 +163,12 @@ def main() -> None:
             "reference", model, batch, first, device, args.time_iters, (switch, ("in-step", "cached"))
         )
         switch("cached")  # the profile shows the kit's step: the reference read from its cache (the default)
+    if "experts" in compare and args.experts == "bf16":
+        switch = experts_route(model)
+        routes["experts"] = compare_routes(
+            "experts", model, batch, first, device, args.time_iters, (switch, ("transformers", "kit"))
+        )
+        switch("kit")  # the profile shows the kit's experts forward (the default)
     experts_nf4.set_route(args.nf4_route)
     if (
         args.compile

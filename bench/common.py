@@ -209,6 +209,7 @@ def build(config, devices: dict[str, torch.device], experts: str = "nf4", linear
     """
     from transformers import DeepseekV3ForCausalLM
 
+    from dsr1kit.model.experts_grouped import use_kit_experts_
     from dsr1kit.model.experts_nf4 import keep_routing_fp32, quantize_experts_
 
     first = next(iter(devices.values()))
@@ -234,6 +235,7 @@ def build(config, devices: dict[str, torch.device], experts: str = "nf4", linear
     rotary = devices.get("model.rotary_emb", first)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(rotary)
     keep_routing_fp32(model)
+    use_kit_experts_(model)  # bf16 experts run the kit's forward, as in a model the kit loads
     if linears == "nf4":
         model.is_loaded_in_4bit = True
     for q in model.parameters():

@@ -8,6 +8,9 @@ What differs from a plain ``from_pretrained``, and why:
 - An explicit device_map for one node (``placement``), ``max_memory`` per GPU
   and one offload folder per rank (ranks of one node must not share it).
 - Routing stays fp32 (native router computes in fp32; no autocast here).
+- bf16 routed experts run the kit's grouped forward (``experts_grouped``):
+  transformers' values and gradients bit for bit, without reordering fp32
+  copies of every routed row.
 - Tokenizer: pad = eos when missing, right padding; the embeddings are resized
   when the tokenizer has more tokens than the model (an out-of-range id is a
   device-side assert on a GPU).
@@ -25,6 +28,7 @@ import torch
 
 from ..embedded import tiny
 from . import placement, quirks
+from .experts_grouped import use_kit_experts_
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -199,6 +203,7 @@ def load_model(cfg: LoadConfig, rank: int = 0, tokenizer=None) -> LoadedModel:
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     applied = quirks.apply_quirks(model)
+    kit_experts = use_kit_experts_(model)
     info = {
         "path": path,
         "dtype": cfg.dtype,
@@ -210,6 +215,7 @@ def load_model(cfg: LoadConfig, rank: int = 0, tokenizer=None) -> LoadedModel:
         "parameters": sum(x.numel() for x in model.parameters()),
         "memory_gib": round(model.get_memory_footprint() / 2**30, 3),
         "quirks": applied,
+        "kit_experts": kit_experts,
         "placement": cfg.device_map if dm is not None else "cpu",
         "boundary_crossings": placement.boundary_crossings(dm) if dm else 0,
     }
@@ -257,6 +263,7 @@ def load_adapted(cfg: LoadConfig, first_layer: int, local_rank: int = 0, tokeniz
         "parameters": loaded_parameters(model),
         "memory_gib": round(model.get_memory_footprint() / 2**30, 3),
         "quirks": quirks.apply_quirks(model),
+        "kit_experts": use_kit_experts_(model),
         "placement": str(device),
         "boundary_crossings": 0,
     }
