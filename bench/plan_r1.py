@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from dsr1kit.model import experts_grouped
 from dsr1kit.model.lora import decoder_layers
 from dsr1kit.plan import GIB, Machine, hari_plan_for_config, prefix_pass_plan
 from dsr1kit.plan.inventory import inventory, strip_quantization
@@ -361,12 +362,19 @@ def main() -> None:
         choices=("cached", "in-step"),
         help="the cached step's KL reference: read from its cache (the kit's default) or run in the step",
     )
+    ap.add_argument(
+        "--kit-experts",
+        action="store_true",
+        help="bf16 experts through the kit's grouped forward (dsr1kit.model.experts_grouped) where it is off",
+    )
     ap.add_argument("--replan", default=None, help="a measured JSON: recompute its plan columns (no GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.replan:
         replan(args.replan, args.out)
         return
+    if args.kit_experts:
+        experts_grouped.set_kit_experts(True)
     grid = [
         tuple(int(x) for x in p.lower().split("x"))
         for p in (args.grid or ("1x64,2x64" if args.tiny else GRID)).split(",")
@@ -392,6 +400,7 @@ def main() -> None:
             "torch": torch.__version__,
             "measured": is_cuda(device),
             "complete": done,
+            "kit_experts": experts_grouped.kit_experts,
             "rows": rows,
             "wall_s": round(time.perf_counter() - t_start, 1),
         }

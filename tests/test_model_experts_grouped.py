@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from dsr1kit.model import experts_grouped
 from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION, permute_rows, use_kit_experts_
 
 
@@ -61,7 +62,8 @@ def test_a_row_permutation_and_its_gradient():
     assert torch.equal(x.grad, torch.zeros(7, 3).index_add_(0, index, g))
 
 
-def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_model):
+def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_model, monkeypatch):
+    monkeypatch.setattr(experts_grouped, "kit_experts", True)
     model = copy.deepcopy(bf16_model)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
 
@@ -85,8 +87,16 @@ def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_m
     assert not use_kit_experts_(model)  # already switched: nothing to do
 
 
-def test_eager_experts_are_left_alone(bf16_model):
+def test_eager_experts_are_left_alone(bf16_model, monkeypatch):
+    monkeypatch.setattr(experts_grouped, "kit_experts", True)
     model = copy.deepcopy(bf16_model)
     model.set_experts_implementation("eager")
     assert not use_kit_experts_(model)
     assert model.config._experts_implementation == "eager"
+
+
+def test_while_off_models_keep_transformers_forward(bf16_model, monkeypatch):
+    monkeypatch.setattr(experts_grouped, "kit_experts", False)
+    model = copy.deepcopy(bf16_model)
+    assert not use_kit_experts_(model)
+    assert model.config._experts_implementation == "grouped_mm"

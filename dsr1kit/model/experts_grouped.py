@@ -9,7 +9,8 @@ permutation (a gather, no sort, no zeroed buffer); then they are weighted and su
 
 The forward's values are transformers' bit for bit (the same products, summed over the same ``[T, K]``
 layout); so are the gradients, which only move through a permutation in another order. Registered with
-transformers as ``EXPERTS_IMPLEMENTATION`` and switched on by ``use_kit_experts_`` for models the kit trains.
+transformers as ``EXPERTS_IMPLEMENTATION``; ``use_kit_experts_`` switches a loaded model to it (the loaders
+call it; while ``kit_experts`` is off it leaves models as they are).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ except ImportError:  # pragma: no cover - a transformers without it: the kit's f
     _grouped_linear = None
 
 EXPERTS_IMPLEMENTATION = "dsr1kit_grouped_mm"
+# Off in the loaders until its speed and the memory plan's rows for it (``plan.devices``) are measured on a GPU;
+# bench.cached_step_profile --compare experts times it either way.
+kit_experts = False
+
+
+def set_kit_experts(on: bool) -> None:
+    """Whether ``use_kit_experts_`` switches models to this forward (benchmarks and tests switch it)."""
+    global kit_experts
+    kit_experts = bool(on)
 
 
 class _RowPermutation(torch.autograd.Function):
@@ -87,7 +97,8 @@ def use_kit_experts_(model: nn.Module) -> bool:
     Other choices (``eager``, the kit's NF4 experts, which have their own forward) are left as they are."""
     config = getattr(model, "config", None)
     if (
-        EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS
+        not kit_experts
+        or EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS
         or getattr(config, "_experts_implementation", None) != "grouped_mm"
         or not hasattr(model, "set_experts_implementation")
     ):

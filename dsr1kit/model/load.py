@@ -8,9 +8,9 @@ What differs from a plain ``from_pretrained``, and why:
 - An explicit device_map for one node (``placement``), ``max_memory`` per GPU
   and one offload folder per rank (ranks of one node must not share it).
 - Routing stays fp32 (native router computes in fp32; no autocast here).
-- bf16 routed experts run the kit's grouped forward (``experts_grouped``):
-  transformers' values and gradients bit for bit, without reordering fp32
-  copies of every routed row.
+- bf16 routed experts can run the kit's grouped forward (``experts_grouped``,
+  off until measured on a GPU): transformers' values and gradients bit for
+  bit, without reordering fp32 copies of every routed row.
 - Tokenizer: pad = eos when missing, right padding; the embeddings are resized
   when the tokenizer has more tokens than the model (an out-of-range id is a
   device-side assert on a GPU).
