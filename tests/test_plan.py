@@ -317,3 +317,21 @@ def test_the_cached_step_plan_counts_the_adapted_layers_transient_once():
         dequant_bytes(config, True, 2) + largest_linear_bf16
     )
     assert nf4.parts["activations"] < large.parts["activations"]  # NF4 experts recompute in backward
+
+
+def test_with_the_kit_experts_forward_the_plan_drops_the_reordered_fp32_rows(monkeypatch):
+    """The kit's grouped experts forward reorders bf16 rows before weighting them: 2h fewer two-byte units
+    per (token, k) in the adapted layer's transient; NF4 experts, which have their own forward, unchanged."""
+    from dsr1kit.model import experts_grouped
+
+    config = _r1_widths(1, 0)
+    h, k, seq = config.hidden_size, config.num_experts_per_tok, 16384
+
+    def gpu(experts, on):
+        monkeypatch.setattr(experts_grouped, "kit_experts", on)
+        return _bench_gpu({"experts": experts, "what": "cached", "batch": 1, "seq": seq})
+
+    transformers_way, kit_way = gpu("bf16", False), gpu("bf16", True)
+    drop = transformers_way.parts["activations"] - kit_way.parts["activations"]
+    assert drop == pytest.approx(seq * k * 2 * h * 2)
+    assert gpu("nf4", False).parts == gpu("nf4", True).parts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model import experts_grouped
 from ..model.experts_nf4 import CHUNK_EXPERTS
 from .inventory import FP8_BLOCK_BYTES, Inventory, bytes_per_param, served_bytes_per_param
 
@@ -80,15 +81,18 @@ def _routed_per_token(c, nf4_experts: bool, saved: bool) -> int:
     bf16 (transformers' grouped_mm forward): per (token, k) row, the forward peaks while it reorders the
     routing-weighted rows, which the fp32 routing weights (``keep_routing_fp32``) make fp32: the gathered
     input and the down projection's output (bf16, h each) and the weighted rows and their reordered copy
-    (fp32, 2h each) are alive at once: 6h. Autograd keeps gate/up's output (2i), the activation (i), the
-    product (i) and the down output (h, for the routing weights' gradient). NF4 (``NF4Experts``): the forward
+    (fp32, 2h each) are alive at once: 6h. The kit's grouped forward (``experts_grouped``, while switched
+    on) reorders the bf16 rows before weighting them: no reordered fp32 copy, 4h. Autograd keeps gate/up's
+    output (2i), the activation (i), the product (i) and the down output (h, for the routing weights'
+    gradient). NF4 (``NF4Experts``): the forward
     writes fp32 rows per (token, k) and each chunk's gate/up/down rows (h + 3i); the backward recomputes the
     experts, so only the layer's input (h) is kept.
     """
     h, k, inter = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size
     if nf4_experts:
         return h if saved else k * (h + 3 * inter)
-    return k * (h + 4 * inter) if saved else k * 6 * h
+    weighted = 4 if experts_grouped.kit_experts else 6
+    return k * (h + 4 * inter) if saved else k * weighted * h
 
 
 def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool) -> int:
