@@ -19,22 +19,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
-from bench.common import is_cuda, sync
+from bench.common import deepseek_v3_config, is_cuda, r1_config, sync
 from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION
 
 WAYS = {"transformers": "grouped_mm", "kit": EXPERTS_IMPLEMENTATION}
 
 
 def experts_module(tiny: bool, device: torch.device) -> DeepseekV3Experts:
-    widths = (
-        dict(hidden_size=1024, moe_intermediate_size=256, n_routed_experts=32)
-        if tiny
-        else dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256)
+    tiny_widths = dict(
+        hidden_size=1024, moe_intermediate_size=256, n_routed_experts=32, num_experts_per_tok=8
     )
-    config = DeepseekV3Config(num_experts_per_tok=8, **widths)
+    config = deepseek_v3_config(**tiny_widths) if tiny else r1_config(1)
     config._experts_implementation = "grouped_mm"
     with torch.device(device):
         experts = DeepseekV3Experts(config).to(torch.bfloat16)

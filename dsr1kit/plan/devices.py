@@ -84,9 +84,8 @@ def _routed_per_token(c, nf4_experts: bool, saved: bool) -> int:
     (fp32, 2h each) are alive at once: 6h. The kit's grouped forward (``experts_grouped``, while switched
     on) reorders the bf16 rows before weighting them: no reordered fp32 copy, 4h. Autograd keeps gate/up's
     output (2i), the activation (i), the product (i) and the down output (h, for the routing weights'
-    gradient). NF4 (``NF4Experts``): the forward
-    writes fp32 rows per (token, k) and each chunk's gate/up/down rows (h + 3i); the backward recomputes the
-    experts, so only the layer's input (h) is kept.
+    gradient). NF4 (``NF4Experts``): the forward writes fp32 rows per (token, k) and each chunk's
+    gate/up/down rows (h + 3i); the backward recomputes the experts, so only the layer's input (h) is kept.
     """
     h, k, inter = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size
     if nf4_experts:
