@@ -130,7 +130,7 @@ INTERPRETED_SCRIPT = textwrap.dedent(
     from dsr1kit.model.prefix_layer import lean_prefix_layers_, set_new_kernels
     from tests.test_prefix_layer import padded_batch, tiny_deepseek, torch_rope_and_key
 
-    set_new_kernels(True)  # the lean layers below take them; off by default until they have run on a GPU
+    set_new_kernels(True)  # the lean layers below take them (the default; a test before may have switched them)
 
 
     def rel(a, b):

@@ -8,11 +8,11 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
 - the rotary part is computed by transformers' own functions and written back into the query in place;
-  or, switched on (``set_new_kernels``; off until it has run on a GPU), one Triton pass rotates the query
-  in place and writes the whole key (``rope_kernels``);
+  on a GPU (``new_kernels``, on by default), one Triton pass rotates the query in place and writes the
+  whole key (``rope_kernels``), bit for bit transformers' rotary;
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
-- the router's float32 logits are transformers' float32 GEMM; or, switched on likewise, a Triton GEMM on
-  the tensor cores (``router_kernels``).
+- the router's float32 logits are transformers' float32 GEMM; on a GPU, a Triton GEMM on the tensor cores
+  with the float32 weight split into three bf16 parts (``router_kernels``).
 
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
@@ -30,9 +30,9 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from . import rope_kernels, router_kernels
 from .norm_kernels import add_rms_norm
 
-# The rotary/key and router kernels pass their tests through Triton's interpreter but have not yet run on a
-# GPU: off until `pytest -m gpu tests/test_prefix_layer.py` and bench.prefix_fp8's fp8-lean-kernels path have.
-new_kernels = False
+# The rotary/key and router kernels: on since `pytest -m gpu tests/test_prefix_layer.py` passed on an H100 and
+# bench.prefix_fp8 measured them there (docs/benchmarks.md); benchmarks and tests switch them to compare.
+new_kernels = True
 
 
 def set_new_kernels(on: bool) -> None:
