@@ -336,6 +336,8 @@ def table(rows: list[dict]) -> str:
 
 def replan(path: str, out: str) -> None:
     data = json.loads(Path(path).read_text())
+    # the bf16 experts' forward the rows were measured with (files from before the key: transformers')
+    experts_grouped.set_kit_experts(data.get("kit_experts", False))
     for r in data["rows"]:
         r.update(plan_of(r["what"], r["experts"], r["batch"], r["seq"], data["tiny"], data["gpu_bytes"]))
         if r.get("measured_gib"):

@@ -66,11 +66,14 @@ def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
 def cached_step_rate(path: Path, lines: list[str]) -> tuple[float, float | None, float | None]:
     """Tokens/s per GPU of the cached step from bench.cached_step_profile's JSON (timed without the profiler),
     and, where the JSON times the KL's reference both ways, tokens/s per GPU of the reference pass and of the
-    step that runs the reference itself (``reference_cache: false``).
+    step that runs the reference itself (``reference_cache: false``). Where it also times the bf16 experts
+    both ways (``--compare reference,experts``), the step is the kit's experts forward's while that is on.
 
     With ``--compare reference`` the step is the kit's default one (the reference read from its cache); the
     difference between the two timings is the adapted layers' reference forward, which the reference pass
     runs once per sample instead of once per step."""
+    from dsr1kit.model import experts_grouped
+
     f = json.loads(path.read_text())["summary"]
     routes = f["timed_without_profiler"]
     if "reference" in routes:
@@ -78,8 +81,11 @@ def cached_step_rate(path: Path, lines: list[str]) -> tuple[float, float | None,
         timed, in_step = ref["cached"], ref["in-step"]
         forward_ms = in_step["ms_per_step"] - timed["ms_per_step"]
         ref_rate = f["seq"] / (forward_ms / 1e3)
+        how = "reference read from its cache"
+        if "experts" in routes and experts_grouped.kit_experts:  # the experts forward the kit runs by default
+            timed, how = routes["experts"]["kit"], how + ", the kit's grouped experts forward"
         lines.append(
-            f"cached step ({f['device']}, {f['experts']} experts, reference read from its cache): "
+            f"cached step ({f['device']}, {f['experts']} experts, {how}): "
             f"{timed['ms_per_step']} ms per {f['seq']:,} tokens = {timed['tokens_per_s']:,.0f} tokens/s per GPU"
         )
         lines.append(

@@ -277,14 +277,17 @@ def _bench_gpu(row: dict, gpu_bytes: float = 141 * GIB):
 
 @pytest.mark.parametrize(
     "results, count, reference",
-    [("plan_r1.h100.json", 24, None), ("plan_r1.reference_cached.h100.json", 12, "cached")],
+    [("plan_r1.h100.json", 24, "in-step"), ("plan_r1.reference_cached.h100.json", 12, "cached")],
 )
 def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(results, count, reference):
     """Every row of a bench/plan_r1.py run against the plan the formulas give now: >= 1.0 and <= 1.10.
     plan_r1.h100.json: bf16 and NF4 experts, the cached step (reference run in the step) and a prefix
     micro-batch, 2k-16k tokens; plan_r1.reference_cached.h100.json: the cached step as the kit runs it by
     default, its reference states read from the reference cache and held through the step."""
+    from dsr1kit.model import experts_grouped
+
     measured = json.loads((ROOT / "docs" / "results" / results).read_text())
+    assert measured["kit_experts"] == experts_grouped.kit_experts  # measured as the kit runs by default
     rows = [r for r in measured["rows"] if r.get("measured_gib")]
     assert len(rows) == count
     assert all(r.get("reference") == reference for r in rows if r["what"] == "cached")
@@ -319,19 +322,23 @@ def test_the_cached_step_plan_counts_the_adapted_layers_transient_once():
     assert nf4.parts["activations"] < large.parts["activations"]  # NF4 experts recompute in backward
 
 
-def test_with_the_kit_experts_forward_the_plan_drops_the_reordered_fp32_rows(monkeypatch):
-    """The kit's grouped experts forward reorders bf16 rows before weighting them: 2h fewer two-byte units
-    per (token, k) in the adapted layer's transient; NF4 experts, which have their own forward, unchanged."""
+def test_with_the_kit_experts_forward_a_frozen_forward_drops_the_reordered_fp32_rows(monkeypatch):
+    """The kit's grouped experts forward reorders bf16 rows before weighting them: under no_grad (a prefix
+    micro-batch) 2h fewer two-byte units per (token, k) and 2h more per token (the fp32 sum is written while
+    the weighted rows are alive); the cached step, which peaks in the backward, and NF4 experts, which have
+    their own forward, unchanged."""
     from dsr1kit.model import experts_grouped
 
     config = _r1_widths(1, 0)
     h, k, seq = config.hidden_size, config.num_experts_per_tok, 16384
 
-    def gpu(experts, on):
+    def gpu(experts, what, on):
         monkeypatch.setattr(experts_grouped, "kit_experts", on)
-        return _bench_gpu({"experts": experts, "what": "cached", "batch": 1, "seq": seq})
+        return _bench_gpu({"experts": experts, "what": what, "batch": 1, "seq": seq})
 
-    transformers_way, kit_way = gpu("bf16", False), gpu("bf16", True)
+    transformers_way, kit_way = gpu("bf16", "prefix", False), gpu("bf16", "prefix", True)
     drop = transformers_way.parts["activations"] - kit_way.parts["activations"]
-    assert drop == pytest.approx(seq * k * 2 * h * 2)
-    assert gpu("nf4", False).parts == gpu("nf4", True).parts
+    assert drop == pytest.approx(seq * (k * 2 * h - 2 * h) * 2)
+    assert gpu("bf16", "cached", False).parts == gpu("bf16", "cached", True).parts
+    for what in ("cached", "prefix"):
+        assert gpu("nf4", what, False).parts == gpu("nf4", what, True).parts

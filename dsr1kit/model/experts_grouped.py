@@ -10,7 +10,7 @@ permutation (a gather, no sort, no zeroed buffer); then they are weighted and su
 The forward's values are transformers' bit for bit (the same products, summed over the same ``[T, K]``
 layout); so are the gradients, which only move through a permutation in another order. Registered with
 transformers as ``EXPERTS_IMPLEMENTATION``; ``use_kit_experts_`` switches a loaded model to it (the loaders
-call it; while ``kit_experts`` is off it leaves models as they are).
+call it; with ``kit_experts`` off it leaves models as they are).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ except ImportError:  # pragma: no cover - a transformers without it: the kit's f
     _grouped_linear = None
 
 EXPERTS_IMPLEMENTATION = "dsr1kit_grouped_mm"
-# Off in the loaders until its speed and the memory plan's rows for it (``plan.devices``) are measured on a GPU;
-# bench.cached_step_profile --compare experts times it either way.
-kit_experts = False
+# On in the loaders since an H100 measured it (docs/benchmarks.md): the step's gradients equal, 1.01x the cached
+# step, a frozen forward's peak 2.8 GiB lower at 16k tokens; bench.cached_step_profile --compare experts times
+# it either way, bench.plan_r1 --kit-experts measures the memory plan's rows for it.
+kit_experts = True
 
 
 def set_kit_experts(on: bool) -> None:

@@ -75,33 +75,40 @@ def _attention_per_token(c) -> int:
     return 3 * heads * head_dim + 4 * kv * head_dim + 3 * h
 
 
-def _routed_per_token(c, nf4_experts: bool, saved: bool) -> int:
-    """The routed experts, in 2-byte units per token: held until backward (``saved``), else the forward's peak.
+def _routed_per_token(c, nf4_experts: bool, saved: bool, forward_only: bool = False) -> int:
+    """The routed experts, in 2-byte units per token: held until backward (``saved``), else the peak of a
+    forward and backward (``forward_only``: of a forward under no_grad, as the prefix pass and frozen layers run).
 
     bf16 (transformers' grouped_mm forward): per (token, k) row, the forward peaks while it reorders the
     routing-weighted rows, which the fp32 routing weights (``keep_routing_fp32``) make fp32: the gathered
     input and the down projection's output (bf16, h each) and the weighted rows and their reordered copy
     (fp32, 2h each) are alive at once: 6h. The kit's grouped forward (``experts_grouped``, while switched
-    on) reorders the bf16 rows before weighting them: no reordered fp32 copy, 4h. Autograd keeps gate/up's
-    output (2i), the activation (i), the product (i) and the down output (h, for the routing weights'
-    gradient). NF4 (``NF4Experts``): the forward writes fp32 rows per (token, k) and each chunk's
-    gate/up/down rows (h + 3i); the backward recomputes the experts, so only the layer's input (h) is kept.
+    on) reorders the bf16 rows before weighting them: under no_grad the gathered input, the rows in token
+    order (bf16, h each) and the weighted rows (fp32, 2h) are alive while the fp32 sum per token (2h) is
+    written: 4h per row + 2h per token. Its backward still peaks at 6h per row (measured at R1's widths: the
+    same peak as transformers' forward). Autograd keeps gate/up's output (2i), the activation (i), the
+    product (i) and the down output (h, for the routing weights' gradient). NF4 (``NF4Experts``): the
+    forward writes fp32 rows per (token, k) and each chunk's gate/up/down rows (h + 3i); the backward
+    recomputes the experts, so only the layer's input (h) is kept.
     """
     h, k, inter = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size
     if nf4_experts:
         return h if saved else k * (h + 3 * inter)
-    weighted = 4 if experts_grouped.kit_experts else 6
-    return k * (h + 4 * inter) if saved else k * weighted * h
+    if saved:
+        return k * (h + 4 * inter)
+    if forward_only and experts_grouped.kit_experts:
+        return k * 4 * h + 2 * h
+    return k * 6 * h
 
 
-def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool) -> int:
+def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool, forward_only: bool = False) -> int:
     h = c.hidden_size
     if not moe:
         return 3 * c.intermediate_size + h
     inter = c.moe_intermediate_size
     shared = 3 * (getattr(c, "n_shared_experts", 0) or 0) * inter
     router = 2 * c.n_routed_experts * 2  # fp32 logits and scores, counted in 2-byte units
-    return _routed_per_token(c, nf4_experts, saved) + shared + router + h
+    return _routed_per_token(c, nf4_experts, saved, forward_only) + shared + router + h
 
 
 def _is_moe(c, layer: int) -> bool:
@@ -116,7 +123,8 @@ HELD_STATES = 4
 
 def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
     """Peak of one layer's forward under no_grad: attention or MLP intermediates, plus the states it holds."""
-    inner = max(_attention_per_token(c), _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False))
+    mlp = _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False, forward_only=True)
+    inner = max(_attention_per_token(c), mlp)
     return tokens * act * (inner + HELD_STATES * c.hidden_size)
 
 
