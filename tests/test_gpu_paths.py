@@ -1,7 +1,7 @@
 """The CUDA paths R1 takes, on the tiny DeepSeek-V3: NF4 + bf16 + device_map, fast == naive, a real training run.
 
 Skipped without CUDA (tests/conftest.py), so CI on CPU stays green; run on a GPU node with
-``pytest -m gpu`` (docs/benchmarks.md records the last run on an H200).
+``pytest -m gpu`` (docs/benchmarks.md records the last run, on an H100).
 """
 
 from __future__ import annotations
