@@ -8,7 +8,7 @@ from dsr1kit.data.labels import collate, encode_rows
 from dsr1kit.data.plan import load_rows
 from dsr1kit.model.load import load_model
 from dsr1kit.model.lora import apply_lora
-from dsr1kit.steps.hari_training import load_config, lora_config
+from dsr1kit.steps.hari_configs import load_config, lora_config
 
 
 def adapted_model_and_batch(p, n_rows: int, max_len: int):

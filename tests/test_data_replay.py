@@ -10,7 +10,7 @@ import pytest
 
 from dsr1kit.data import replay
 from dsr1kit.data.chat import assistant_text
-from dsr1kit.steps.forgetting_sweep import base_fingerprint
+from dsr1kit.measure.sweep_run import base_fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = (str(ROOT / "data/task_a_eval.jsonl"), str(ROOT / "data/task_b_eval.jsonl"))

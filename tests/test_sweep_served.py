@@ -23,6 +23,8 @@ from infer_support import assert_no_server_left
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 from dsr1kit import params as P
+from dsr1kit.measure import sweep_run
+from dsr1kit.measure.sweep_served import measure_served
 from dsr1kit.steps import forgetting_sweep as sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -86,7 +88,7 @@ def served_run(slurm, tmp_path_factory):
     fields = {role: slurm.job_fields(ids[role] if role != "array" else f"{ids['array']}_1") for role in ids}
     p = P.load("40_forgetting_sweep", overrides={**OVERRIDES, "run_dir": str(run_dir)})
     replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
-    yield p, run_dir, sweep.measured(sweep.point_dir(run_dir, replay)), ids, jobs, fields, ray_tmp
+    yield p, run_dir, sweep_run.measured(sweep_run.point_dir(run_dir, replay)), ids, jobs, fields, ray_tmp
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -124,7 +126,7 @@ def test_every_adapter_is_measured_through_the_server_and_kept(served_run):
     from dsr1kit.measure.served import served_sets
     from dsr1kit.model.load import load_tokenizer
 
-    rows_a, rows_b = sweep.eval_rows(p)
+    rows_a, rows_b = sweep_run.eval_rows(sweep.configure(p))
     sets = served_sets(rows_a, rows_b, load_tokenizer(resolve_model("tiny")), p.system_prompt)
     for r in results:
         name = f"replay-seed0-step{r.step}"
@@ -142,7 +144,7 @@ def test_served_accuracies_agree_with_the_teacher_forced_measurement(served_run)
     p, _, results = served_run[:3]
     from dsr1kit.measure.point import evaluate_point
 
-    rows_a, rows_b = sweep.eval_rows(p)
+    rows_a, rows_b = sweep_run.eval_rows(sweep.configure(p))
     for r in [r for r in results if r.final]:
         local = evaluate_point(r.adapter_dir, rows_a, rows_b, p.system_prompt, lambda_kl=0.0, seed=0)
         assert abs(local.acc_a - r.acc_a) <= 2 / 24 and abs(local.acc_b - r.acc_b) <= 2 / 24, (local, r)
@@ -161,13 +163,15 @@ def test_replay_answers_come_from_the_server_and_a_rerun_serves_nothing(served_r
 
     monkeypatch.setattr(sweep, "base_server", no_server)
     replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
-    assert sweep.measure_served(p, run_dir) == 0
-    again = sweep.run_point(p, replay, run_dir)  # trained and measured: nothing is loaded or served again
+    assert measure_served(sweep.configure(p, run_dir)) == 0
+    again = sweep_run.run_point(
+        sweep.configure(p, run_dir), replay
+    )  # trained and measured: nothing is loaded or served again
     assert [r.to_dict() for r in again] == [r.to_dict() for r in results]
 
 
 def test_a_sweep_measured_one_way_refuses_to_go_on_the_other(served_run):
     p, run_dir = served_run[:2]
     other = p.model_copy(update={"measure_with": "model"})
-    with pytest.raises(sweep.SweepFailed, match="measured with measure_with: server"):
-        sweep.base_accuracy(other, run_dir)
+    with pytest.raises(sweep_run.SweepError, match="measured with measure_with: server"):
+        sweep_run.base_accuracy(sweep.configure(other, run_dir))

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from dsr1kit.cluster.rendezvous import free_port
 from dsr1kit.model.lora import first_adapted_layer
 from dsr1kit.params import HariParams
-from dsr1kit.steps.hari_training import loss_config
+from dsr1kit.steps.hari_configs import loss_config
 from dsr1kit.train import dist
 from dsr1kit.train.hari import hari_loss
 

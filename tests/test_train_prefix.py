@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from dsr1kit import params as P
 from dsr1kit.cluster.rendezvous import free_port
-from dsr1kit.steps.hari_training import prefix_config
+from dsr1kit.steps.hari_configs import hari_run, prefix_setup
 from dsr1kit.train import prefix
 from dsr1kit.train.prefix import shards
 
@@ -132,7 +132,7 @@ def _reference_setup(tmp_path: Path, setup):
     """A prefix cache of the tiny setup's samples, and a fresh copy of the model with a non-zero adapter."""
     from dsr1kit.model.load import load_model
     from dsr1kit.model.lora import apply_lora
-    from dsr1kit.steps.hari_training import load_config, lora_config
+    from dsr1kit.steps.hari_configs import load_config, lora_config
 
     p, tokenizer, examples, base = setup
     folder = tmp_path / "prefix"
@@ -277,11 +277,12 @@ def test_two_gloo_ranks_from_the_cache_give_the_uncached_two_rank_adapter(tmp_pa
 @pytest.fixture(scope="module")
 def tiny_setup():
     from dsr1kit.model.load import load_model
-    from dsr1kit.steps.hari_training import load_config, load_tokenizer, prepare_data
+    from dsr1kit.steps.hari_configs import load_config
+    from dsr1kit.train.hari_run import load_tokenizer, prepare_data
 
     p = _params(Path("/nonexistent"), sample_limit=40)
-    tokenizer = load_tokenizer(p)
-    data = prepare_data(p, tokenizer)
+    tokenizer = load_tokenizer(hari_run(p))
+    data = prepare_data(hari_run(p), tokenizer)
     model = load_model(load_config(p), tokenizer=tokenizer).model.eval()
     return p, tokenizer, data.encoded.examples, model
 
@@ -289,7 +290,7 @@ def tiny_setup():
 def _layout(directory: Path, setup, shard_mib: float = 0.25, tokens_per_batch: int = 512, **fp_changes):
     p, tokenizer, examples, model = setup
     fp = {
-        **prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples, 2),
+        **prefix.fingerprint(prefix_setup(p).key, str(model.config._name_or_path), tokenizer, examples, 2),
         **fp_changes,
     }
     return prefix.prepare_layout(
@@ -354,7 +355,7 @@ def test_samples_that_share_an_id_keep_their_own_states(tmp_path, tiny_setup):
     twice = examples[:10] + [
         dataclasses.replace(e, input_ids=e.input_ids[:-3], labels=e.labels[:-3]) for e in examples[:10]
     ]
-    fp = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, twice, 2)
+    fp = prefix.fingerprint(prefix_setup(p).key, str(model.config._name_or_path), tokenizer, twice, 2)
     layout = prefix.prepare_layout(tmp_path, fp, twice, model.config.hidden_size, p.dtype, 512, 0.25)
     prefix.build(model, twice, tmp_path, layout, 2, tokenizer.pad_token_id, progress=False)
     cache = prefix.PrefixCache(tmp_path)
@@ -449,8 +450,10 @@ def test_a_cache_for_other_inputs_is_refused_field_by_field(tmp_path, tiny_setup
 
 def test_a_run_whose_data_changed_does_not_reuse_the_cache(tmp_path, tiny_setup):
     p, tokenizer, examples, model = tiny_setup
-    now = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples[:-1], 2)
-    before = prefix.fingerprint(prefix_config(p), str(model.config._name_or_path), tokenizer, examples, 2)
+    now = prefix.fingerprint(
+        prefix_setup(p).key, str(model.config._name_or_path), tokenizer, examples[:-1], 2
+    )
+    before = prefix.fingerprint(prefix_setup(p).key, str(model.config._name_or_path), tokenizer, examples, 2)
     assert [line.split(":")[0] for line in prefix.differences(before, now)] == ["samples"]
     assert prefix.fingerprint_id(now) != prefix.fingerprint_id(before)  # auto: another folder
 
@@ -504,7 +507,7 @@ def test_the_adapted_layers_alone_give_the_full_models_logits(tiny_dir):
 
 def test_r1_from_the_cache_fits_one_80gb_gpu_where_the_whole_model_does_not():
     from dsr1kit.plan import Machine, hari_plan, prefix_pass_plan
-    from dsr1kit.steps.hari_training import plan_inputs
+    from dsr1kit.steps.hari_configs import plan_inputs
 
     p = P.load("20_hari_training", ["params/r1-671b-2x8h100/20_hari_training.yaml"])
     one_gpu = Machine(1, 80 * 2**30, 1000 * 2**30)

@@ -121,7 +121,8 @@ def add_sweep_point(sub) -> None:
 
 
 def cmd_sweep_point(args: argparse.Namespace) -> int:
-    from ..steps.forgetting_sweep import mix_path, points, replay_first, replay_mix, run_point
+    from ..measure import sweep_run
+    from ..steps.forgetting_sweep import configure, points
 
     p = load_params("40_forgetting_sweep", args, run_dir=args.run_dir or "")
     if p is None:
@@ -135,7 +136,7 @@ def cmd_sweep_point(args: argparse.Namespace) -> int:
         print(f"error: {what} needs --run-dir (the sweep's run folder)", file=sys.stderr)
         return 2
     if args.replay_first:
-        print(int(replay_first(p, args.run_dir)))
+        print(int(sweep_run.replay_first(configure(p, args.run_dir))))
         return 0
     if args.replay:
         if "replay" not in p.baselines:
@@ -144,8 +145,8 @@ def cmd_sweep_point(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        rows = replay_mix(p, args.run_dir)
-        print(json.dumps({"mix": str(mix_path(p, args.run_dir)), "rows": len(rows)}))
+        rows = sweep_run.replay_mix(configure(p, args.run_dir))
+        print(json.dumps({"mix": str(sweep_run.mix_path(args.run_dir, p.replay_ratio)), "rows": len(rows)}))
         return 0
     if not 0 <= args.point < len(todo):
         print(
@@ -153,6 +154,8 @@ def cmd_sweep_point(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for result in run_point(p, todo[args.point], args.run_dir):  # by step, the end of the run last
+    for result in sweep_run.run_point(
+        configure(p, args.run_dir), todo[args.point]
+    ):  # by step, the end of the run last
         print(json.dumps(result.to_dict()))
     return 0
