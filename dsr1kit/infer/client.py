@@ -42,7 +42,7 @@ class RequestRefused(ClientError):
 @dataclass(frozen=True)
 class ClientConfig:
     """How an evaluation asks the server: built from notebook 10's parameters by
-    ``steps.vllm_inference.client_config``."""
+    ``steps.serve_configs.client_config``."""
 
     concurrency: int  # requests in flight
     timeout_s: float  # per request

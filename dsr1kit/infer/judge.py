@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ CALIBRATION_BIN = 100  # HLE's bin size
 # its JSON is kept short (no free whitespace, strings bounded) so that a judgment always closes.
 SERVED_JUDGE_ARGS = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 SERVED_JUDGE_MAX_CHARS = 200
+SERVED = "served"  # JudgeConfig.base_url of a judge that is the evaluated model, on its own server
 
 
 def response_format(max_chars: int = 0) -> dict[str, Any]:
@@ -75,7 +76,8 @@ def response_format(max_chars: int = 0) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class JudgeConfig:
-    """Where the judge is and how it is asked: built from notebook 10's parameters by the step."""
+    """Where the judge is and how it is asked: built from notebook 10's parameters by
+    ``steps.serve_configs.judge_config``."""
 
     base_url: str
     model: str
@@ -86,6 +88,14 @@ class JudgeConfig:
     max_tokens: int
     max_chars: int = 0  # > 0: the judgment's strings are bounded (a small served judge)
     key_param: str = "judge_key_env"  # the parameter naming api_key_env (server_key_env for a served judge)
+
+
+def on_server(config: JudgeConfig, served_url: str, served_name: str) -> JudgeConfig:
+    """The judge as asked while ``served_name`` is served at ``served_url``: a served judge (base_url
+    ``SERVED``) is that server, under its model's name unless one is named; any other judge as configured."""
+    if config.base_url != SERVED:
+        return config
+    return replace(config, base_url=served_url, model=config.model or served_name)
 
 
 @dataclass(frozen=True)

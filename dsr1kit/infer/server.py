@@ -46,7 +46,7 @@ class ServerError(RuntimeError):
 @dataclass(frozen=True)
 class ServerSpec:
     """Everything that decides the server command line (one field per vLLM flag we set). Defaults are
-    notebook 10's (``InferenceParams``), which builds it in ``steps.vllm_inference.server_spec``."""
+    notebook 10's (``InferenceParams``); ``serve_spec.server_spec`` builds it from ``ServeSettings``."""
 
     model: str  # local checkpoint folder (what ``--model`` loads)
     port: int  # the port it binds and the client calls
