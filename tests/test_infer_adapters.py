@@ -16,8 +16,10 @@ from toy_models import build_tiny_llama, make_lora_adapter
 
 from dsr1kit.infer import adapters
 from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer.serve_spec import vllm_server
 from dsr1kit.infer.server import http_json
 from dsr1kit.steps import vllm_inference
+from dsr1kit.steps.serve_configs import serve_settings
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -42,7 +44,9 @@ def llama(tiny_dir, tmp_path_factory):
 def _serve(llama, adapter: str):
     """One server per adapter, as the notebook does (an lm_head LoRA would leak into other requests)."""
     p = cpu_params(served_model_name="base", server_key_env=KEY_ENV)
-    server = vllm_inference.server(p, llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter)
+    server = vllm_server(
+        serve_settings(p), llama["root"], llama["base"], {adapter: llama[adapter]}, name=adapter
+    )
     with server:
         family = server_family(server)
         yield server
@@ -127,7 +131,6 @@ def test_verdict_table(d_peft, d_base, effect, floor, expected):
 def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, sequences, tmp_path):
     """R1's path: the LoRA server's samples, then the merge served by vLLM as the reference (no transformers copy)."""
     from dsr1kit.plan import GIB, Machine
-    from dsr1kit.steps.vllm_inference import ServedEval
 
     samples = adapters.served_samples(attn_server.base_url, "base", "attn", sequences, key_env=KEY_ENV)
     # the merge does nothing if the server of "the merge" is the base itself: that is a failure
@@ -147,7 +150,7 @@ def test_served_reference_when_the_peft_copy_does_not_fit(llama, attn_server, se
         eval_limit=4,
         server_key_env=KEY_ENV,  # the served-reference choreography against protected servers
     )
-    session = ServedEval(p, tmp_path, llama["base"], Path(llama["attn"]))
+    session = vllm_inference.served_eval(p, tmp_path, llama["base"], Path(llama["attn"]))
     prompts = ev.build_prompts(
         ev.load_items("data/eval_tiny.jsonl", limit=4).items,
         AutoTokenizer.from_pretrained(llama["base"]),

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from dsr1kit.infer.client import ClientConfig
+from dsr1kit.infer.serve_spec import ServeSettings, server_spec, vllm_server
 from dsr1kit.infer.server import ServerSpec
 from dsr1kit.params import InferenceParams
-from dsr1kit.steps import vllm_inference
+from dsr1kit.steps.serve_configs import client_config, serve_settings
 
 PARAM_OF = {"env": "server_env"}  # ServerSpec field -> InferenceParams field, where the names differ
 
@@ -33,8 +34,9 @@ def test_server_spec_defaults_are_the_notebook_parameters_defaults():
         assert default == (tuple(expected) if isinstance(default, tuple) else expected), f.name
 
 
-def test_client_config_has_no_second_defaults():
-    assert all(_default(f) is dataclasses.MISSING for f in dataclasses.fields(ClientConfig))
+def test_client_config_and_serve_settings_have_no_second_defaults():
+    for config in (ClientConfig, ServeSettings):
+        assert all(_default(f) is dataclasses.MISSING for f in dataclasses.fields(config)), config
 
 
 def test_the_step_builds_the_configs_from_the_parameters():
@@ -49,7 +51,8 @@ def test_the_step_builds_the_configs_from_the_parameters():
         temperature=0.5,
         request_timeout_s=9,
     )
-    spec = vllm_inference.server_spec(p, "/models/m", {"attn": "/a"}, max_lora_rank=32)
+    settings = serve_settings(p)
+    spec = server_spec(settings, "/models/m", {"attn": "/a"}, max_lora_rank=32)
     assert (spec.model, spec.port, spec.max_num_seqs, spec.extra_args, spec.env) == (
         "/models/m",
         8123,
@@ -68,8 +71,8 @@ def test_the_step_builds_the_configs_from_the_parameters():
         "--x",
         "1",
     ]
-    assert vllm_inference.server_spec(p, "/m").max_lora_rank == p.max_lora_rank
-    assert vllm_inference.server_spec(InferenceParams(), "/m").port > 0  # port 0: a free one
+    assert server_spec(settings, "/m").max_lora_rank == p.max_lora_rank
+    assert server_spec(serve_settings(InferenceParams()), "/m").port > 0  # port 0: a free one
     expected = ClientConfig(
         concurrency=16,
         timeout_s=9,
@@ -79,7 +82,7 @@ def test_the_step_builds_the_configs_from_the_parameters():
         key_env="VLLM_API_KEY",
         chat=False,
     )
-    assert vllm_inference.client_config(p) == expected  # concurrency 0: 2 x max_num_seqs x data_parallel_size
-    server = vllm_inference.server(p, "/runs/r", "/m", name="server-base")
+    assert client_config(p) == expected  # concurrency 0: 2 x max_num_seqs x data_parallel_size
+    server = vllm_server(settings, "/runs/r", "/m", name="server-base")
     assert str(server.log_path) == "/runs/r/logs/server-base.log"
     assert server.ready_timeout_s == p.ready_timeout_s

@@ -123,13 +123,14 @@ def test_lm_evals_log_likelihoods_from_the_served_model_are_the_models_own(tiny_
     from infer_support import cpu_params
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsr1kit.steps import vllm_inference
+    from dsr1kit.infer.serve_spec import vllm_server
+    from dsr1kit.steps.serve_configs import serve_settings
 
     config = H.HarnessConfig(**{**CONFIG.__dict__, "tasks": ("data/lm_eval/tiny_task_a_choice.yaml",),
                                 "model_type": H.COMPLETIONS, "tokenizer": str(tiny_dir),
                                 "extra_args": ("--limit", "12")})  # fmt: skip
     p = cpu_params()
-    with vllm_inference.server(p, tmp_path, str(tiny_dir)) as server:
+    with vllm_server(serve_settings(p), tmp_path, str(tiny_dir)) as server:
         results = H.run(config, server.base_url, p.served_model_name, tmp_path, "base")
     (row,) = H.results_rows(results)
     assert (row["task"], row["metric"], row["n"]) == ("tiny_task_a_choice", "acc", 12)

@@ -181,23 +181,25 @@ def test_a_judge_key_given_as_a_parameter_is_refused(tmp_path, key, value, messa
 
 
 def test_the_step_builds_the_judge_from_the_parameters():
+    from dsr1kit.infer.serve_spec import server_spec
     from dsr1kit.params import InferenceParams
-    from dsr1kit.steps import vllm_inference as step
+    from dsr1kit.steps.serve_configs import judge_config, serve_settings
 
-    assert step.judge_config(InferenceParams(), "http://s:1", "model") is None
+    assert judge_config(InferenceParams()) is None
     served = InferenceParams(judge_url="served")
-    config = step.judge_config(served, "http://s:1", "adapter")
+    config = J.on_server(judge_config(served), "http://s:1", "adapter")
     assert (config.base_url, config.model, config.max_chars) == (
         "http://s:1",
         "adapter",
         J.SERVED_JUDGE_MAX_CHARS,
     )
-    assert step.server_spec(served, "m").extra_args[-2:] == J.SERVED_JUDGE_ARGS  # whitespace-free JSON
-    assert J.SERVED_JUDGE_ARGS[0] not in step.server_spec(InferenceParams(), "m").extra_args
+    # whitespace-free JSON
+    assert server_spec(serve_settings(served), "m").extra_args[-2:] == J.SERVED_JUDGE_ARGS
+    assert J.SERVED_JUDGE_ARGS[0] not in server_spec(serve_settings(InferenceParams()), "m").extra_args
     endpoint = InferenceParams(
         judge_url="https://judge.example:8443/", judge_model="j", judge_key_env="JUDGE_KEY"
     )
-    config = step.judge_config(endpoint, "http://s:1", "model")
+    config = J.on_server(judge_config(endpoint), "http://s:1", "model")
     assert (config.base_url, config.model, config.api_key_env, config.max_chars) == (
         "https://judge.example:8443",
         "j",

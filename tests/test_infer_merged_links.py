@@ -71,7 +71,8 @@ def test_vllm_serves_a_merge_whose_unchanged_shards_are_links_as_base_plus_adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dsr1kit.steps import vllm_inference
+    from dsr1kit.infer.serve_spec import vllm_server
+    from dsr1kit.steps.serve_configs import serve_settings
 
     base_dir, adapter_dir, merged = merged_on_another_filesystem
     shards = sorted(p.name for p in base_dir.glob("*.safetensors"))
@@ -83,7 +84,7 @@ def test_vllm_serves_a_merge_whose_unchanged_shards_are_links_as_base_plus_adapt
     tok = AutoTokenizer.from_pretrained(base_dir)
     texts = ["Question: what is 7 plus 5?\nAnswer:", "The capital of the tiny country is"]
     prompts = [tok(t).input_ids for t in texts]
-    with vllm_inference.server(cpu_params(), tmp_path, str(merged), name="merged") as server:
+    with vllm_server(serve_settings(cpu_params()), tmp_path, str(merged), name="merged") as server:
         served = [_served_logprobs(server, ids) for ids in prompts]
     assert_no_server_left()
 

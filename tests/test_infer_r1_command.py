@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from dsr1kit import params
-from dsr1kit.steps import vllm_inference
+from dsr1kit.infer.serve_spec import LayoutRefused, check_data_parallel, server_spec
+from dsr1kit.infer.vllm_checks import planned_command, vllm_parse
+from dsr1kit.steps.serve_configs import serve_settings
 
 pytest.importorskip("vllm")
 
@@ -21,8 +23,8 @@ R1 = Path("params/r1-671b-2x8h100")
 def test_r1s_base_server_command_is_vllms(overlay):
     files = [R1 / "10_vllm_inference.yaml"] + ([R1 / overlay / "10_vllm_inference.yaml"] if overlay else [])
     p = params.load("notebooks/10_vllm_inference.ipynb", files)
-    spec = vllm_inference.server_spec(p, "/models/DeepSeek-R1-0528")
-    args = vllm_inference.vllm_parse(spec.command())
+    spec = server_spec(serve_settings(p), "/models/DeepSeek-R1-0528")
+    args = vllm_parse(spec.command())
     assert (args.model, args.served_model_name) == ("/models/DeepSeek-R1-0528", ["deepseek-r1"])
     assert (args.tensor_parallel_size, args.enable_expert_parallel) == (16, True)
     assert args.distributed_executor_backend == "ray" and args.reasoning_parser == "deepseek_r1"
@@ -32,10 +34,10 @@ def test_r1s_base_server_command_is_vllms(overlay):
 
 def test_r1s_lora_server_command_is_vllms(tmp_path):
     p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
-    spec = vllm_inference.server_spec(
-        p, "/models/r1", {p.lora_name: str(tmp_path / "adapter")}, max_lora_rank=8
+    spec = server_spec(
+        serve_settings(p), "/models/r1", {p.lora_name: str(tmp_path / "adapter")}, max_lora_rank=8
     )
-    args = vllm_inference.vllm_parse(spec.command())
+    args = vllm_parse(spec.command())
     assert args.enable_lora and args.max_lora_rank == 8 and args.max_loras == 1
     assert [(m.name, m.path) for m in args.lora_modules] == [(p.lora_name, str(tmp_path / "adapter"))]
 
@@ -56,7 +58,7 @@ def _engine_config(command: list[str], tmp_path: Path):
     for name in r1_format.TOKENIZER_FILES:
         if (r1_format.build() / name).is_file():
             shutil.copyfile(r1_format.build() / name, folder / name)
-    args = vllm_inference.vllm_parse(command)
+    args = vllm_parse(command)
     args.model = str(folder)
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
@@ -64,7 +66,7 @@ def _engine_config(command: list[str], tmp_path: Path):
 def test_r1_tp16_over_two_nodes_is_one_16_gpu_replica_to_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
     p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
-    spec = vllm_inference.server_spec(p, "/models/r1")
+    spec = server_spec(serve_settings(p), "/models/r1")
     assert "--data-parallel-backend" not in spec.command()  # one replica: no DP flags at all
     parallel = _engine_config(spec.command(), tmp_path).parallel_config
     assert (parallel.world_size, parallel.data_parallel_size, parallel.enable_expert_parallel) == (
@@ -80,9 +82,10 @@ def test_r1_data_parallel_over_two_nodes_puts_one_replica_on_each(tmp_path, monk
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
     files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
     p = params.load("notebooks/10_vllm_inference.ipynb", files, {"host": "10.1.2.3"})
-    vllm_inference.check_data_parallel(p, 2)
-    command = vllm_inference.server_spec(p, "/models/r1").command()
-    args = vllm_inference.vllm_parse(command)
+    settings = serve_settings(p)  # the job's 2 nodes
+    check_data_parallel(settings)
+    command = server_spec(settings, "/models/r1").command()
+    args = vllm_parse(command)
     assert (args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_backend) == (
         2,
         1,
@@ -103,13 +106,11 @@ def test_r1_data_parallel_over_two_nodes_puts_one_replica_on_each(tmp_path, monk
     ],
 )
 def test_data_parallel_that_cannot_land_on_the_job_is_refused_before_the_server(change, message):
-    from dsr1kit.steps.preflight import BadInput
-
     files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
     p = params.load("notebooks/10_vllm_inference.ipynb", files, change)
-    with pytest.raises(BadInput, match=message):
-        vllm_inference.check_data_parallel(p, 2)
-    vllm_inference.check_data_parallel(p, 1)  # one node: every replica is local, nothing to refuse
+    with pytest.raises(LayoutRefused, match=message):
+        check_data_parallel(serve_settings(p, nodes=2))
+    check_data_parallel(serve_settings(p, nodes=1))  # one node: every replica is local, nothing to refuse
 
 
 def test_the_plan_shows_the_two_node_command_and_what_vllms_parser_says_of_it():
@@ -117,11 +118,15 @@ def test_the_plan_shows_the_two_node_command_and_what_vllms_parser_says_of_it():
     parser before any allocation; a flag vLLM does not know makes the plan fail, naming it."""
     files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
     p = params.load("notebooks/10_vllm_inference.ipynb", files, {"host": "10.1.2.3"})
-    text, ok = vllm_inference.planned_command(p, 2)
+    text, ok = planned_command(serve_settings(p, nodes=2), p.model)
     assert ok and "accepts it" in text, text
     assert "2 replica(s) × TP 8, 1 per node, replicas reach 10.1.2.3:" in text
     assert "--data-parallel-size 2 " in text and "--data-parallel-size-local 1 " in text
-    text, ok = vllm_inference.planned_command(p.model_copy(update={"extra_args": ["--no-such-flag"]}), 2)
+    text, ok = planned_command(
+        serve_settings(p.model_copy(update={"extra_args": ["--no-such-flag"]}), 2), p.model
+    )
     assert not ok and "refuses it" in text and "--no-such-flag" in text.split("refuses it")[1], text
-    text, ok = vllm_inference.planned_command(p.model_copy(update={"data_parallel_backend": "mp"}), 2)
+    text, ok = planned_command(
+        serve_settings(p.model_copy(update={"data_parallel_backend": "mp"}), 2), p.model
+    )
     assert not ok and "starts every replica on the first node" in text

@@ -8,9 +8,12 @@ import pytest
 from infer_support import assert_no_server_left, cpu_params
 
 from dsr1kit.infer import evaluate as ev
+from dsr1kit.infer import results
 from dsr1kit.infer.answers import TRUNCATED, parse_row, ran_out_thinking, response_of, thinking_of
 from dsr1kit.infer.client import read_answers
+from dsr1kit.infer.serve_spec import server_spec, vllm_server
 from dsr1kit.steps import vllm_inference
+from dsr1kit.steps.serve_configs import client_config, serve_settings
 
 OPTIONS = ["Rome", "Oslo", "Lima", "Paris"]
 
@@ -91,8 +94,8 @@ def test_the_accuracy_table_counts_answers_that_ran_out_apart_from_wrong_ones():
 
 def test_the_server_gets_the_parser_and_the_client_the_chat_route():
     p = cpu_params(reasoning_parser="deepseek_r1")
-    assert vllm_inference.server_spec(p, "/m").command()[-2:] == ["--reasoning-parser", "deepseek_r1"]
-    assert vllm_inference.client_config(p).chat and not vllm_inference.client_config(cpu_params()).chat
+    assert server_spec(serve_settings(p), "/m").command()[-2:] == ["--reasoning-parser", "deepseek_r1"]
+    assert client_config(p).chat and not client_config(cpu_params()).chat
     with pytest.raises(ValueError, match="reasoning parser"):
         cpu_params(reasoning_parser="--deepseek_r1")
 
@@ -109,9 +112,9 @@ def test_served_with_the_parser_the_chat_route_reads_what_the_token_route_reads(
         ev.load_items("data/eval_tiny.jsonl", 8).items, tokenizer, "You are DeepSeek-R1."
     )
     p = cpu_params(reasoning_parser="deepseek_r1", max_new_tokens=24)
-    config = vllm_inference.client_config(p)
+    config = client_config(p)
     token_route = ev.ClientConfig(**{**config.__dict__, "chat": False})
-    with vllm_inference.server(p, tmp_path, str(tiny_dir)) as server:
+    with vllm_server(serve_settings(p), tmp_path, str(tiny_dir)) as server:
         for name, client in (("chat", config), ("tokens", token_route)):
             ev.run_eval(
                 server.base_url, p.served_model_name, prompts, tmp_path / f"{name}.jsonl", client, False
@@ -133,7 +136,7 @@ def test_served_with_the_parser_the_chat_route_reads_what_the_token_route_reads(
     by_tokens, _ = ev.score(prompts, tokens)
     assert by_chat["prediction"].tolist() == by_tokens["prediction"].tolist()
     assert by_chat["ran_out_thinking"].tolist() == by_tokens["ran_out_thinking"].tolist()
-    thinking = vllm_inference.thinking_frame({"chat": by_chat, "tokens": by_tokens}, tokenizer, 24)
+    thinking = results.thinking_frame({"chat": by_chat, "tokens": by_tokens}, tokenizer, 24)
     assert thinking is not None and (thinking["prompt_tokens_differ"] == 0).all()
     assert thinking["thinking_tokens_mean"].nunique() == 1  # both routes thought as long
     assert_no_server_left()

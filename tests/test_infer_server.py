@@ -12,8 +12,9 @@ from infer_support import assert_no_server_left, cpu_params
 
 from dsr1kit.infer import evaluate as ev
 from dsr1kit.infer.client import ClientError, read_answers
+from dsr1kit.infer.serve_spec import vllm_server
 from dsr1kit.infer.server import ServerError
-from dsr1kit.steps import vllm_inference
+from dsr1kit.steps.serve_configs import client_config, serve_settings
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def prompts(tiny_dir):
 
 def test_readiness_timeout_is_a_clear_error_with_the_log_tail(tiny_dir, tmp_path):
     p = cpu_params(ready_timeout_s=3)
-    server = vllm_inference.server(p, tmp_path, str(tiny_dir))
+    server = vllm_server(serve_settings(p), tmp_path, str(tiny_dir))
     server.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until vLLM itself has written a line (after the kit's "$ command")
@@ -57,7 +58,7 @@ def test_an_engine_that_fails_to_start_is_named_by_its_own_error_not_only_the_ap
     cause (here: more KV cache asked for than the host has) is the engine's error further up."""
     p = cpu_params(server_env={"VLLM_CPU_KVCACHE_SPACE": "100000"})  # 100 TB of KV cache
     with pytest.raises(ServerError) as err:
-        with vllm_inference.server(p, tmp_path, str(tiny_dir)):
+        with vllm_server(serve_settings(p), tmp_path, str(tiny_dir)):
             pass
     msg = str(err.value)
     assert "exited early" in msg
@@ -93,9 +94,9 @@ def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_re
     tiny_dir, tmp_path, prompts
 ):
     p = cpu_params(max_new_tokens=32, concurrency=4)
-    client = vllm_inference.client_config(p)
+    client = client_config(p)
     out = ev.results_path(tmp_path, "base")
-    first = vllm_inference.server(p, tmp_path, str(tiny_dir), name="first")
+    first = vllm_server(serve_settings(p), tmp_path, str(tiny_dir), name="first")
     with first:
         assert first.phases["first_completion_s"] >= first.phases["health_s"] > 0
 
@@ -113,7 +114,7 @@ def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_re
     assert 12 <= len(kept) < len(prompts)
     assert_no_server_left()
 
-    with vllm_inference.server(p, tmp_path, str(tiny_dir), name="second") as second:
+    with vllm_server(serve_settings(p), tmp_path, str(tiny_dir), name="second") as second:
         stats = ev.run_eval(second.base_url, p.served_model_name, prompts, out, client, progress=False)
     assert stats.skipped == len(kept)
     assert not set(stats.requested) & set(kept)  # answered ids are never asked again

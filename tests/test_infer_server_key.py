@@ -24,8 +24,9 @@ from toy_models import make_lora_adapter
 
 from dsr1kit.infer import auth
 from dsr1kit.infer.client import read_answers
+from dsr1kit.infer.serve_spec import server_spec, vllm_server
 from dsr1kit.infer.server import ServerError
-from dsr1kit.steps import vllm_inference
+from dsr1kit.steps.serve_configs import harness_config, serve_settings
 
 KEY = "served-key-" + os.urandom(12).hex()
 
@@ -122,7 +123,7 @@ def test_a_server_that_wants_another_key_stops_at_the_readiness_probe_naming_the
     pytest.importorskip("vllm")
     monkeypatch.setenv("DSR1KIT_TEST_KEY", "the-wrong-key")
     p = cpu_params(server_key_env="DSR1KIT_TEST_KEY")
-    server = vllm_inference.server(p, tmp_path, str(tiny_dir))
+    server = vllm_server(serve_settings(p), tmp_path, str(tiny_dir))
     server.spec.env["VLLM_API_KEY"] = KEY  # what this server demands, given as its environment
     answers = tmp_path / "answers" / "base.jsonl"
     answers.parent.mkdir()
@@ -187,7 +188,7 @@ def test_the_key_is_never_in_the_server_command_or_the_harness_command(monkeypat
 
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     p = cpu_params(lm_eval_tasks=["data/lm_eval/tiny_task_a.yaml"])
-    assert KEY not in " ".join(vllm_inference.server_spec(p, "/m").command())
-    config = vllm_inference.harness_config(p, "/m")
+    assert KEY not in " ".join(server_spec(serve_settings(p), "/m").command())
+    config = harness_config(p, "/m")
     assert config.key_env == "VLLM_API_KEY"
     assert KEY not in " ".join(harness.command(config, "http://h:1", "model", Path("/out")))

@@ -21,7 +21,8 @@ from infer_support import assert_no_server_left, cpu_params
 
 from dsr1kit.infer import evaluate as ev
 from dsr1kit.infer.adapters import hf_continuation_logprobs, vllm_generate
-from dsr1kit.steps import vllm_inference
+from dsr1kit.infer.serve_spec import vllm_server
+from dsr1kit.steps.serve_configs import serve_settings
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def test_served_greedy_logprobs_match_transformers(tiny_dir, tmp_path):
     )
     ids = [p.token_ids for p in prompts[:: len(prompts) // N_PROMPTS][:N_PROMPTS]]
     p = cpu_params()
-    with vllm_inference.server(p, tmp_path, str(tiny_dir)) as server:
+    with vllm_server(serve_settings(p), tmp_path, str(tiny_dir)) as server:
         served = [vllm_generate(server.base_url, p.served_model_name, x, N_TOKENS) for x in ids]
     assert_no_server_left()
 

@@ -11,7 +11,7 @@ from conftest import run_cli
 from dsr1kit import params
 from dsr1kit.plan import GIB, Machine, PlanError, hari_plan, inspect_plan, serve_plan
 from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, resolve_config
-from dsr1kit.steps import adapter_inspection, hari_training, vllm_inference
+from dsr1kit.steps import adapter_inspection, hari_training, serve_configs
 
 R1 = Path("params/r1-671b-2x8h100")
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,11 +85,11 @@ def test_longer_sequences_need_more_activation_memory(r1_inventory):
 
 def test_vllm_plan_refuses_a_context_the_kv_cache_cannot_hold(r1_inventory):
     p = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
-    ok = serve_plan(vllm_inference.plan_inputs(p), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
+    ok = serve_plan(serve_configs.plan_inputs(p), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory)
     assert ok.fits, ok.text()
     assert 35 * GIB < ok.devices[0].parts["weights"] < 45 * GIB  # ~640 GiB of FP8 over 16 GPUs
     too_long = serve_plan(
-        vllm_inference.plan_inputs(p.model_copy(update={"max_model_len": 10_000_000})),
+        serve_configs.plan_inputs(p.model_copy(update={"max_model_len": 10_000_000})),
         R1_REPO,
         Machine(16, 79.6 * GIB, 1800 * GIB),
         r1_inventory,
@@ -106,16 +106,16 @@ def test_data_parallel_with_expert_parallel_splits_the_experts_over_every_replic
     files = [R1 / "10_vllm_inference.yaml", R1 / "dp" / "10_vllm_inference.yaml"]
     p = params.load("notebooks/10_vllm_inference.ipynb", files)
     node = Machine(8, 79.6 * GIB, 1800 * GIB)
-    dp = serve_plan(vllm_inference.plan_inputs(p), R1_REPO, node, r1_inventory)
+    dp = serve_plan(serve_configs.plan_inputs(p), R1_REPO, node, r1_inventory)
     tp16 = params.load("notebooks/10_vllm_inference.ipynb", [R1 / "10_vllm_inference.yaml"])
     one = serve_plan(
-        vllm_inference.plan_inputs(tp16), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory
+        serve_configs.plan_inputs(tp16), R1_REPO, Machine(16, 79.6 * GIB, 1800 * GIB), r1_inventory
     )
     assert dp.fits, dp.text()
     w_dp, w_one = dp.devices[0].parts["weights"], one.devices[0].parts["weights"]
     assert w_one < w_dp < 1.1 * w_one  # the attention and dense layers over 8 GPUs instead of 16: a few GiB
     replicas = serve_plan(
-        vllm_inference.plan_inputs(p.model_copy(update={"enable_expert_parallel": False})),
+        serve_configs.plan_inputs(p.model_copy(update={"enable_expert_parallel": False})),
         R1_REPO,
         node,
         r1_inventory,

@@ -12,6 +12,7 @@ import pytest
 
 from dsr1kit import steps
 from dsr1kit.cluster import checks
+from dsr1kit.infer import results
 from dsr1kit.steps import cluster_check, vllm_inference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +146,7 @@ def test_inference_verdict_shows_each_sets_gain_and_cost():
     )
     assert "task A: base 90.0% → adapter 60.0% (-30.0 points, scored on 20 of 20)" in v.lines
     assert "task B: base 5.0% → adapter 80.0% (+75.0 points, scored on 20 of 20)" in v.lines
-    assert vllm_inference.category_changes({"base": table(0.9, 0.05)}) == []
+    assert results.category_changes({"base": table(0.9, 0.05)}) == []
 
 
 def test_several_eval_sets_are_read_per_set_and_ids_must_not_clash(tmp_path):

@@ -106,10 +106,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(time_plan(p, machine, args.nodes).text(), end="\n\n")
     command_ok = True
     if notebook == "10_vllm_inference":  # the server line, before an allocation waits on it
-        from ..cluster.slurm import job_nodes
-        from ..steps.vllm_inference import planned_command
+        from ..infer.vllm_checks import planned_command
+        from ..steps.serve_configs import serve_settings
 
-        text, command_ok = planned_command(p, args.nodes or job_nodes())
+        text, command_ok = planned_command(serve_settings(p, args.nodes), p.model)
         print(text, end="\n\n")
     if not plans:
         print(f"{notebook} loads no model and writes little: nothing to plan")
