@@ -14,9 +14,7 @@ the step's wall time and the arithmetic it needs.
 
 Before the profile, the step is timed without the profiler (median of
 ``--time-iters``) with the loss over the vocabulary computed each way
-(``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), and with
-NF4 experts, their weights read each way (``experts_nf4`` routes: dequantized
-by bitsandbytes for ``grouped_mm``, then the kit's NF4 grouped kernel), the two
+(``dsr1kit.train.vocab_loss``: the torch ops, then the fused kernel), the two
 alternating run by run, so their ratio comes from one run on one GPU; and with the
 reference's last hidden states run in the step (the adapted layers a second time,
 adapter off) or handed to it as a reference cache would; and with bf16 experts
@@ -37,7 +35,6 @@ import torch
 
 from bench.common import free, layer_compiler, peak_gib, reset_peak, sync
 from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config, reference_route
-from dsr1kit.model import experts_nf4
 from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION
 from dsr1kit.train import vocab_loss
 
@@ -58,10 +55,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-# what can be timed two ways in one run: the loss over the vocabulary, and how NF4 experts read their weights
+# what can be timed two ways in one run: the loss over the vocabulary
 ROUTES = {
     "loss": (vocab_loss.set_route, ("torch", "fused")),
-    "nf4": (experts_nf4.set_route, ("dequant", "fused")),
 }
 
 
@@ -127,15 +123,12 @@ def main() -> None:
     ap.add_argument("--time-iters", type=int, default=10, help="timed steps per loss route (0: no timing)")
     ap.add_argument(
         "--compare",
-        default="loss,nf4,reference",
-        help="what to time two ways: loss (torch | fused), nf4 (dequant | fused; NF4 experts only), reference "
+        default="loss,reference",
+        help="what to time two ways: loss (torch | fused), reference "
         "(run in the step | read from a cache), experts (bf16 experts: transformers' grouped_mm forward | the kit's)",
     )
     ap.add_argument(
         "--compile", action="store_true", help="also time the adapted layers through torch.compile"
-    )
-    ap.add_argument(
-        "--nf4-route", default="auto", choices=experts_nf4.ROUTES, help="NF4 experts in the profile"
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -149,14 +142,12 @@ def main() -> None:
         hari_step(model, batch, first)
         model.zero_grad(set_to_none=True)
     compare = {c.strip() for c in args.compare.split(",") if c.strip()}
-    unknown = compare - {"loss", "nf4", "reference", "experts"}
+    unknown = compare - {"loss", "reference", "experts"}
     if unknown:
-        raise SystemExit(f"--compare: unknown {sorted(unknown)}; choose from loss, nf4, reference, experts")
+        raise SystemExit(f"--compare: unknown {sorted(unknown)}; choose from loss, reference, experts")
     routes = {}
     if "loss" in compare:
         routes["loss"] = compare_routes("loss", model, batch, first, device, args.time_iters)
-    if "nf4" in compare and args.experts == "nf4":
-        routes["nf4"] = compare_routes("nf4", model, batch, first, device, args.time_iters)
     if "reference" in compare:
         switch = reference_route(model, batch, first)
         routes["reference"] = compare_routes(
@@ -169,10 +160,7 @@ def main() -> None:
             "experts", model, batch, first, device, args.time_iters, (switch, ("transformers", "kit"))
         )
         switch("kit")  # the profile shows the kit's experts forward (the default)
-    experts_nf4.set_route(args.nf4_route)
-    if (
-        args.compile
-    ):  # the adapted layers eager, then through torch.compile (the fused loss and NF4 route as set)
+    if args.compile:  # the adapted layers eager, then through torch.compile (the fused loss as set)
         switch = layer_compiler(model, first)
         routes["compile"] = compare_routes(
             "compile", model, batch, first, device, args.time_iters, (switch, ("eager", "compiled"))
@@ -217,7 +205,6 @@ def main() -> None:
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "experts": args.experts,
-        "nf4_route": args.nf4_route,
         "compiled": args.compile,
         "reference": "cached" if "reference" in compare else "in-step",
         "seq": seq,

@@ -26,9 +26,6 @@ no_grad as the prefix pass runs it:
   (the path before torch's GEMM was taken);
 - **nf4**: today's prefix pass, NF4 experts (``NF4Experts``) and bitsandbytes
   NF4 linears, from the bf16 weights below;
-- **nf4-fused**: the same NF4 layer with its experts' weights read as stored
-  by the kit's grouped NF4 kernel (``nf4_kernels``) instead of dequantized
-  to bf16 for ``grouped_mm``;
 - **fp8-compiled** (``--compile``): the fp8 layer through ``torch.compile``
   (dynamic shapes), which fuses the copies and elementwise kernels between
   its GEMMs;
@@ -65,19 +62,16 @@ from dsr1kit.model.prefix_layer import LEAN, lean_prefix_layers_
 
 
 @contextlib.contextmanager
-def fp8_route(dense: str = "auto", nf4: str = "auto"):
-    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``) and the NF4 experts
-    on ``nf4`` (``experts_nf4.ROUTES``)."""
-    from dsr1kit.model import experts_nf4, fp8_kernels
+def fp8_route(dense: str = "auto"):
+    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``)."""
+    from dsr1kit.model import fp8_kernels
 
-    before = fp8_kernels.dense_route, experts_nf4._route
+    before = fp8_kernels.dense_route
     fp8_kernels.set_dense_route(dense)
-    experts_nf4.set_route(nf4)
     try:
         yield
     finally:
-        fp8_kernels.set_dense_route(before[0])
-        experts_nf4.set_route(before[1])
+        fp8_kernels.set_dense_route(before)
 
 
 @contextlib.contextmanager
@@ -173,19 +167,13 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
     variants = {
         "bf16": layer,
         "nf4": nf4_layer,
-        "nf4-fused": nf4_layer,
         "nf4-lean": nf4_layer,
         "fp8": fp8_layer,
         "fp8-lean": fp8_layer,
         "fp8-lean-kernels": fp8_layer,
         "fp8-triton": fp8_layer,
     }
-    routes = {
-        "fp8-triton": dict(dense="triton"),
-        "nf4": dict(nf4="dequant"),
-        "nf4-lean": dict(nf4="dequant"),
-        "nf4-fused": dict(nf4="fused"),
-    }
+    routes = {"fp8-triton": dict(dense="triton")}
     if args.compile:  # the FP8 layer through torch.compile: the elementwise work between its GEMMs fused
         from torch._dynamo.utils import counters
 
@@ -229,7 +217,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
                     args.iters,
                 )
                 stacked = None
-                if args.stack > 1 and name != "nf4-fused":  # back to back, as the prefix pass runs its layers
+                if args.stack > 1:  # back to back, as the prefix pass runs its layers
 
                     def back_to_back(m=model.model, x=hidden, n=args.stack):
                         for _ in range(n):
@@ -557,7 +545,6 @@ def main() -> None:
                 "fp8_over_nf4": round(by["nf4"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_bf16": round(by["bf16"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
-                "nf4_fused_over_nf4": round(by["nf4"]["ms"] / by["nf4-fused"]["ms"], 2),
                 "fp8_lean_over_nf4": round(by["nf4"]["ms"] / by["fp8-lean"]["ms"], 2),
                 "fp8_lean_over_fp8": round(by["fp8"]["ms"] / by["fp8-lean"]["ms"], 2),
                 "nf4_lean_over_nf4": round(by["nf4"]["ms"] / by["nf4-lean"]["ms"], 2),

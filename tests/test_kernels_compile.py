@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsr1kit.model import fp8_kernels, nf4_kernels
+from dsr1kit.model import fp8_kernels
 from dsr1kit.train import vocab_loss_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -76,30 +76,3 @@ def test_fused_vocab_loss_compiles_for_hopper(has_ref):
     }
     constexprs = {"HAS_REF": has_ref, "BLOCK": vocab_loss_kernel.BLOCK_V}
     assert _compile(vocab_loss_kernel._ce_kl_grad, types, constexprs, HOPPER, num_warps=8).asm["cubin"]
-
-
-@pytest.mark.parametrize("block_m", nf4_kernels.BLOCK_MS, ids=lambda m: f"m{m}")
-@pytest.mark.parametrize("trans", [True, False], ids=["forward", "input-gradient"])
-def test_nf4_grouped_gemm_compiles_for_hopper_with_wgmma(trans, block_m):
-    """Every tile configuration the autotuner may pick, both row tiles, both directions; the dot on wgmma."""
-    types = {
-        "X": "*bf16",
-        "W": "*u8",
-        "ABSMAX": "*fp32",
-        "CODE": "*fp32",
-        "Y": "*bf16",
-        "TILE_EXPERT": "*i32",
-        "TILE_START": "*i32",
-        "TILE_END": "*i32",
-    }
-    for config in nf4_kernels._configs():
-        constexprs = {"TRANS": trans, "BLOCK_M": block_m, "DOT_F32": False, **config.kwargs}
-        compiled = _compile(
-            nf4_kernels._nf4_grouped,
-            types,
-            constexprs,
-            HOPPER,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        assert "wgmma" in compiled.asm["ptx"] and compiled.asm["cubin"], config

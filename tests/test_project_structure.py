@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -338,3 +339,104 @@ def test_no_private_name_crosses_a_module():
                     if alias.name.startswith("_") and not alias.name.startswith("__")
                 ]
     assert not crossing, "\n".join(crossing)
+
+
+# -- which package may import which (docs/architecture.md's table says the same) ---------------------------
+ALLOWED = {
+    "params": set(),
+    "run": {"cluster"},
+    "cluster": {"model", "plan"},
+    "embedded": {"data", "model"},
+    "model": {"embedded"},  # the embedded models' names resolve to their built folders (built on first use)
+    "plan": {"embedded", "model"},
+    "data": {"run"},
+    "benchmarks": {"data"},
+    "train": {"benchmarks", "cluster", "data", "embedded", "model", "plan", "run"},
+    "inspection": {"embedded", "model", "plan", "run"},
+    "infer": {"benchmarks", "cluster", "data", "embedded", "inspection", "model", "plan", "run"},
+    "measure": {"data", "embedded", "infer", "model", "run", "train"},
+}
+EVERYTHING = {"steps", "cli"}  # the seam and the command line may import any package
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_graph() -> dict[str, dict[str, str]]:
+    """package -> {package it imports: where, as file:line}."""
+    out: dict[str, dict[str, str]] = {}
+    for m, targets in import_graph().items():
+        for target, line in targets.items():
+            a, b = _package(m), _package(target)
+            if a != b and a and b:
+                out.setdefault(a, {}).setdefault(b, f"{MODULES[m].relative_to(ROOT)}:{line}")
+    return out
+
+
+def test_each_package_imports_only_what_the_architecture_allows():
+    wrong = [
+        f"{a} imports {b} ({where}); allowed: {sorted(ALLOWED.get(a, set())) or 'nothing of the kit'}"
+        for a, targets in package_graph().items()
+        if a not in EVERYTHING and a != "__main__"
+        for b, where in targets.items()
+        if b not in ALLOWED.get(a, set())
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_architecture_table_is_the_allowed_imports():
+    """docs/architecture.md's "may import" column, package by package, equals ALLOWED."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0] != "`package`":
+            name = cells[0].strip("`").rstrip("/")
+            allowed = re.sub(r"\([^)]*\)", "", cells[3])  # the asides in parentheses name no package
+            table[name] = (
+                "everything" if allowed.startswith("everything") else set(re.findall(r"`(\w+)`", allowed))
+            )
+    expected = {**{k: v for k, v in ALLOWED.items()}, **{k: "everything" for k in EVERYTHING}}
+    assert table == expected
+
+
+# -- steps/ is a seam, not the application ---------------------------------------------------------------
+STEP_LIMITS = {"all": 1300, "module": 250, "function": 40}
+STEP_HELPERS = {"parameters", "preflight", "plans", "hari_configs", "serve_configs"}  # shared by steps
+
+
+def _step_modules() -> list[str]:
+    return [m for m in MODULES if m.startswith("dsr1kit.steps.")]
+
+
+def test_steps_stay_a_page_per_notebook():
+    """A step turns its notebook's parameters into configs and calls the library: no pipeline of its own."""
+    sizes = {m: len(MODULES[m].read_text().splitlines()) for m in [*_step_modules(), "dsr1kit.steps"]}
+    assert sum(sizes.values()) <= STEP_LIMITS["all"], sizes
+    assert not {m: n for m, n in sizes.items() if n > STEP_LIMITS["module"]}
+    long = [
+        f"{MODULES[m].relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for m in _step_modules()
+        for node in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > STEP_LIMITS["function"]
+    ]
+    assert not long, "\n".join(long)
+
+
+def test_no_step_imports_another_step():
+    """A notebook's step module imports the shared config walks (hari_configs, serve_configs), never another
+    notebook's step; steps/plans.py alone looks each step's plans up by notebook name (notebook 00's look
+    ahead and `dsr1kit plan`)."""
+    graph = import_graph()
+    notebook_steps = {m for m in _step_modules() if m.rpartition(".")[2] not in STEP_HELPERS}
+    assert len(notebook_steps) == 5, notebook_steps
+    wrong = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {target}"
+        for m in [*notebook_steps, *(f"dsr1kit.steps.{h}" for h in STEP_HELPERS - {"plans"})]
+        for target, line in graph[m].items()
+        if target in notebook_steps
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -105,6 +105,19 @@ def read_adapter(path: str | Path) -> Adapter:
     return Adapter(path, config, lora_a, lora_b)
 
 
+def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
+    """'latest' → the newest adapter of a HARI run under ``runs_root`` (runs/); else the given folder."""
+    from ..run.paths import PROJECT_ROOT, resolve
+
+    if value != "latest":
+        return resolve(value)
+    root = Path(runs_root or PROJECT_ROOT / "runs")
+    found = latest_adapter(root)
+    if found is None:
+        raise AdapterError(f"no HARI adapter under {root}: run notebook 20 first or set adapter_dir")
+    return found
+
+
 def latest_adapter(runs_root: str | Path) -> Path | None:
     """The newest adapter written by a HARI run (``<run>/adapter`` beside its run_info.json)."""
     found = [

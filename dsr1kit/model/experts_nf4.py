@@ -24,7 +24,6 @@ allocates; the same code runs on CPU (tests) and CUDA.
 
 from __future__ import annotations
 
-import os
 import types
 from dataclasses import dataclass
 from math import prod
@@ -39,28 +38,6 @@ NESTED_BLOCKSIZE = 256  # double-quantization block bitsandbytes uses for the ab
 CHUNK_EXPERTS = 64  # experts dequantized per call (measured: as fast as all at once, ~1/4 the peak)
 MAX_DEQUANT_ELEMENTS = 2**31 - 1
 IMPLEMENTATIONS = ("eager", "grouped_mm")
-# how the grouped implementation reads its weights: "dequant" (bitsandbytes to bf16, then grouped_mm),
-# "fused" (the kit's Triton kernel reads NF4 as stored, nf4_kernels), "auto" (dequant until the fused
-# kernel is measured faster on the device at hand, docs/benchmarks.md)
-ROUTES = ("auto", "dequant", "fused")
-_route = os.environ.get("DSR1KIT_NF4_ROUTE", "auto")
-if _route not in ROUTES:
-    raise ValueError(f"DSR1KIT_NF4_ROUTE must be one of {ROUTES}, got {_route!r}")
-
-
-def set_route(route: str) -> None:
-    """Choose how NF4 experts read their weights (for benchmarks and tests): one of ``ROUTES``."""
-    global _route
-    if route not in ROUTES:
-        raise ValueError(f"NF4 experts route must be one of {ROUTES}, got {route!r}")
-    _route = route
-
-
-def _fused_here(x: torch.Tensor) -> bool:
-    """The fused kernel runs on CUDA, or anywhere under Triton's interpreter (the CPU tests)."""
-    if _route != "fused":
-        return False
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 try:  # the dispatcher the bf16 module uses, so both pick the same kernel (CPU alignment fallback)
@@ -272,8 +249,6 @@ class NF4Experts(nn.Module):
 
     def _mlp(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Expert MLP over expert-sorted rows, with just this chunk's weights dequantized."""
-        if self.implementation == "grouped_mm" and _fused_here(x):
-            return self._mlp_fused(x, experts, counts)
         gate_up, down = self.dequantize("gate_up", experts), self.dequantize("down", experts)
         if self.implementation == "grouped_mm":
             offs = torch.tensor(counts, device=x.device).cumsum(0, dtype=torch.int32)
@@ -285,26 +260,6 @@ class NF4Experts(nn.Module):
             outs.append(F.linear(self.act_fn(gate) * up, down[j]))
             start += count
         return torch.cat(outs)
-
-    def _mlp_fused(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
-        """The same MLP with the NF4 weights read by the kit's grouped kernel: no bf16 copy of them is made."""
-        from . import nf4_kernels
-
-        row_tiles = nf4_kernels.tiles(counts, x.device)
-        gate, up = nf4_kernels.grouped_mm(
-            x,
-            self._rows("gate_up_nf4", experts),
-            self.absmax("gate_up", experts),
-            row_tiles,
-            self.shapes["gate_up"],
-        ).chunk(2, dim=-1)
-        return nf4_kernels.grouped_mm(
-            self.act_fn(gate) * up,
-            self._rows("down_nf4", experts),
-            self.absmax("down", experts),
-            row_tiles,
-            self.shapes["down"],
-        )
 
     def _chunk_rows(self, hidden, weights_flat, routing: _Routing, chunk: _Chunk) -> torch.Tensor:
         """Routing-weighted expert outputs for the chunk's rows (fp32 when the weights are)."""

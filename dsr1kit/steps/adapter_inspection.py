@@ -7,24 +7,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..data.plan import load_rows
-from ..inspection.adapter import (  # noqa: F401
+from ..inspection import merge_check
+from ..inspection.adapter import (  # noqa: F401 (the notebook's calls)
     Adapter,
     AdapterError,
     ModuleStats,
+    find_adapter,
     inspect_adapter,
-    latest_adapter,
     read_adapter,
     stats_frame,
 )
-from ..inspection.merge import merge_into_copy, verify_merge, verify_merged_weights
+from ..inspection.merge_plan import merged_checkpoint_write
 from ..measure.compare import ProbeResult, compare_on, encode_probe, generations
 from ..measure.training_run import training_slices
 from ..model.load import LoadConfig, load_with_adapter
 from ..plan import DiskPlan, InspectionInputs, Machine, Plan, inspection_plans
-from ..run.paths import PROJECT_ROOT, resolve
 from . import FAIL, OK, WARN, StepFailed, Verdict
 
 
@@ -39,17 +37,6 @@ class Inspection:
     stats: list[ModuleStats]
     probes: list[ProbeResult]
     merge_check: dict[str, Any] | None = None  # None: no merged checkpoint written
-
-
-def find_adapter(value: str, runs_root: str | Path | None = None) -> Path:
-    """'latest' → the newest adapter of a HARI run under runs/; else the given folder."""
-    if value != "latest":
-        return resolve(value)
-    root = Path(runs_root or PROJECT_ROOT / "runs")
-    found = latest_adapter(root)
-    if found is None:
-        raise AdapterError(f"no HARI adapter under {root}: run notebook 20 first or set adapter_dir")
-    return found
 
 
 def open_adapter(p, run_dir: str | Path) -> Adapter:
@@ -89,9 +76,6 @@ def memory_plan(p, machine: Machine | None = None, adapter: Adapter | None = Non
 def disk_plan(p, run_dir: Path, free: float | None = None, adapter: Adapter | None = None) -> DiskPlan:
     """With merge_out, the merged checkpoint: only the shards the adapter changes are written, the others
     linked to the base's."""
-    from ..plan.disk import DiskPlan
-    from .plans import merged_checkpoint_write
-
     writes = []
     if p.merge_out:
         if adapter is None:
@@ -152,27 +136,10 @@ def side_by_side(model, tokenizer, sets: dict[str, list[dict]], p):
 
 def merge_and_verify(
     model, tokenizer, loaded, adapter: Adapter, out_dir: Path, sets, logits_check: bool = True
-) -> dict[str, Any]:
-    """Merged checkpoint in out_dir; its logits against base+adapter on a probe example, or, when the plan
-    says an fp32 copy does not fit the host (R1), each merged weight against W + ΔW."""
-    from transformers import AutoModelForCausalLM
-
-    from ..model.load import local_checkpoint
-
-    merge_into_copy(local_checkpoint(loaded.path), adapter, out_dir)
-    if not logits_check:
-        check = verify_merged_weights(loaded.path, out_dir, adapter)
-        return {
-            "checked": "weights: merged vs W + ΔW (an fp32 copy does not fit the host)",
-            **check,
-            "merged_dir": str(out_dir),
-        }
-    merged = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+):
+    """Merged checkpoint in out_dir, checked on the first probe row (``inspection.merge_check``)."""
     ids, _ = encode_probe(tokenizer, next(iter(sets.values()))[:1], 256, "")[0]
-    device = model.get_input_embeddings().weight.device
-    check = verify_merge(model, merged, torch.tensor([ids], device=device))
-    check["merged_dir"] = str(out_dir)
-    return {"checked": "logits: merged checkpoint vs base + adapter (fp32)", **check}
+    return merge_check.merge_and_verify(model, loaded.path, adapter, out_dir, ids, logits_check)
 
 
 def verdict(result: Inspection) -> Verdict:
@@ -224,23 +191,3 @@ def write_summary(run_dir: str | Path, result: Inspection) -> Path:
         )
     )
     return path
-
-
-__all__ = [
-    "open_adapter",
-    "describe",
-    "write_summary",
-    "find_adapter",
-    "memory_plan",
-    "read_adapter",
-    "inspect_adapter",
-    "load_config",
-    "load_adapted",
-    "probe_sets",
-    "compare_all",
-    "side_by_side",
-    "merge_and_verify",
-    "Inspection",
-    "verdict",
-    "stats_frame",
-]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..plan import Machine, Plan
-from ..plan.disk import DiskPlan, Write
+from ..plan.disk import DiskPlan
 
 PLANNED = {
     "10_vllm_inference": "vllm_inference",
@@ -76,37 +76,3 @@ def plans_for_files(specs: list[str], machine: Machine) -> list[tuple[str, Plan 
         if disk is not None:
             out.append((notebook, disk))
     return out
-
-
-def merged_checkpoint_write(base: str, adapter_path: Path | None, folder: Path, fix: str) -> Write:
-    """The bytes a merge of the adapter at ``adapter_path`` into ``base`` writes into ``folder``: the shards it
-    rewrites (read from the base's index and headers when the base is on this node), the rest linked."""
-    from ..embedded.tiny import resolve_model
-    from ..inspection.adapter import read_adapter
-    from ..inspection.merge import merge_write_bytes
-    from ..model import staging
-
-    local = staging.locate(resolve_model(base))
-    what = "merged checkpoint"
-    if local is None:
-        from ..plan.inventory import inventory, resolve_config
-
-        inv = inventory(resolve_config(base))
-        last = inv.layer_sizes()[-1] * 2
-        return Write(what, str(folder), last, "the base is not on this node: its last layer in bf16", fix)
-    if adapter_path is not None and (adapter_path / "adapter_config.json").is_file():
-        modules = read_adapter(adapter_path).modules
-        why = f"{len(modules)} adapted modules"
-    else:
-        from ..model.checkpoint_index import read_weight_map
-
-        weight_map = read_weight_map(local)
-        last = max(int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers."))
-        modules = sorted(
-            k[: -len(".weight")]
-            for k in weight_map
-            if k.startswith(f"model.layers.{last}.self_attn.") and k.endswith("proj.weight")
-        )
-        why = "no adapter yet: the last layer's attention"
-    size, shards = merge_write_bytes(local, modules)
-    return Write(what, str(folder), size, f"{why}: {shards} shard(s) rewritten, the others linked", fix)
