@@ -101,9 +101,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     disk = disk_plan_for(notebook, p, args.run_dir, free)
     plans += [disk] if disk is not None else []
     if notebook == "20_hari_training":  # the one step whose rates the benchmarks measured at R1's widths
-        from ..steps.hari_training import time_plan
+        from ..steps.hari_training import configure, time_plan
 
-        print(time_plan(p, machine, args.nodes).text(), end="\n\n")
+        print(time_plan(configure(p), machine, nodes=args.nodes).text(), end="\n\n")
     command_ok = True
     if notebook == "10_vllm_inference":  # the server line, before an allocation waits on it
         from ..infer.vllm_checks import planned_command
