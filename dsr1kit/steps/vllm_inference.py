@@ -97,8 +97,8 @@ def disk_plan(p, run_dir: Path, free: float | None = None) -> DiskPlan:
     """What the evaluation writes into its run folder: the answers of each model (at most every row with
     max_new_tokens of text and reasoning), and with an adapter that is merged (adapter_mode merge, or a
     parity that falls back to a merge) the merged checkpoint's rewritten shards."""
-    from ..plan.serving_disk import serving_disk_plan
     from ..inspection.merge_plan import merged_checkpoint_write
+    from ..plan.serving_disk import serving_disk_plan
 
     merged = None
     if p.lora_adapter and (p.adapter_mode == "merge" or p.merge_if_ignored):
