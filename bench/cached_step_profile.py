@@ -34,9 +34,15 @@ from pathlib import Path
 import torch
 
 from bench.common import free, layer_compiler, peak_gib, reset_peak, sync
-from bench.hari_cached import build_one_device, cached_batch, hari_step, make_config, reference_route
+from bench.hari_cached import (
+    build_one_device,
+    cached_batch,
+    hari_step,
+    make_config,
+    reference_route,
+    vocab_route,
+)
 from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION
-from dsr1kit.train import vocab_loss
 
 KINDS = (
     ("gemm", ("gemm", "cutlass", "xmma", "sm90_", "nvjet", "_mm", "matmul", "gemv")),
@@ -55,9 +61,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-# what can be timed two ways in one run: the loss over the vocabulary
+# what can be timed two ways in one run: the loss over the vocabulary (HariLoss.vocab_route)
 ROUTES = {
-    "loss": (vocab_loss.set_route, ("torch", "fused")),
+    "loss": (vocab_route, ("torch", "fused")),
 }
 
 

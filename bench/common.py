@@ -200,10 +200,17 @@ def quantize_linears_(module: torch.nn.Module, device: torch.device) -> None:
             quantize_linears_(child, device)
 
 
-def build(config, devices: dict[str, torch.device], experts: str = "nf4", linears: str = "nf4"):
+def build(
+    config,
+    devices: dict[str, torch.device],
+    experts: str = "nf4",
+    linears: str = "nf4",
+    kit_experts: bool = True,
+):
     """Meta skeleton, then each unit of ``devices`` materialized, initialized and quantized there; frozen.
 
-    Never a full model on the host. ``experts`` / ``linears``: "nf4" or "bf16". Without
+    Never a full model on the host. ``experts`` / ``linears``: "nf4" or "bf16". ``kit_experts``: bf16 experts
+    run the kit's grouped forward, as ``LoadConfig.kit_experts`` (on by default) has the loaders do. Without
     "model.embed_tokens" in ``devices`` the table is a 1-row placeholder (a model entered at
     ``inputs_embeds`` never reads it).
     """
@@ -235,7 +242,8 @@ def build(config, devices: dict[str, torch.device], experts: str = "nf4", linear
     rotary = devices.get("model.rotary_emb", first)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(rotary)
     keep_routing_fp32(model)
-    use_kit_experts_(model)  # bf16 experts run the kit's forward, as in a model the kit loads
+    if kit_experts:
+        use_kit_experts_(model)
     if linears == "nf4":
         model.is_loaded_in_4bit = True
     for q in model.parameters():

@@ -53,12 +53,13 @@ import argparse
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dsr1kit.model.lora import decoder_layers
-from dsr1kit.train.hari import fast_loss, prefix_forward, reference_states
+from dsr1kit.train.hari import HariLoss, hari_loss, prefix_forward, reference_states
 
 from .common import (
     CHUNK,
@@ -108,7 +109,9 @@ def make_config(layers: int, tiny: bool, cached: bool):
     return config
 
 
-def build_one_device(config, device: torch.device, experts: str, linears: str, embed: bool):
+def build_one_device(
+    config, device: torch.device, experts: str, linears: str, embed: bool, kit_experts: bool = True
+):
     """``common.build`` on one device, then ``LORA`` with a trained-looking lora_B.
 
     ``embed=False`` leaves a 1-row placeholder for the embedding table.
@@ -117,7 +120,11 @@ def build_one_device(config, device: torch.device, experts: str, linears: str, e
         f"model.layers.{i}" for i in range(config.num_hidden_layers)
     ]
     model = build(
-        config, {u: device for u in units + ["model.norm", "lm_head"]}, experts=experts, linears=linears
+        config,
+        {u: device for u in units + ["model.norm", "lm_head"]},
+        experts=experts,
+        linears=linears,
+        kit_experts=kit_experts,
     )
     return add_lora(model)
 
@@ -149,13 +156,21 @@ def token_batch(
 
 # the reference's last hidden states read from a cache instead of run in the step (``reference_route``)
 REFERENCE: dict[str, torch.Tensor | None] = {"states": None}
+# the step's loss config; ``vocab_route`` is set by ``vocab_route`` (bench.cached_step_profile compares them)
+STEP_LOSS = {
+    "config": HariLoss(lambda_kl=LAMBDA, kl_temperature=T, kl_tokens="all", loss_chunk=CHUNK, impl="fast")
+}
 
 
 def hari_step(model, batch, first_layer: int) -> None:
-    loss = fast_loss(
-        model, batch, LAMBDA, T, first_layer, kl_tokens="all", chunk=CHUNK, ref_hidden=REFERENCE["states"]
-    )
+    loss = hari_loss(model, batch, STEP_LOSS["config"], first_layer, ref_hidden=REFERENCE["states"])
     loss.loss.backward()
+
+
+def vocab_route(name: str) -> None:
+    """A switch for ``cached_step_profile.compare_routes``: the step's loss over the vocabulary by ``name``
+    (``HariLoss.vocab_route``: torch ops, the fused kernel, or auto)."""
+    STEP_LOSS["config"] = replace(STEP_LOSS["config"], vocab_route=name)
 
 
 def reference_route(model, batch, first_layer: int):

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from dsr1kit.model import experts_grouped
+from dsr1kit.model.load import LoadConfig
 from dsr1kit.model.lora import decoder_layers
 from dsr1kit.plan import GIB, Machine, hari_plan_for_config, prefix_pass_plan
 from dsr1kit.plan.inventory import inventory, strip_quantization
@@ -80,6 +80,8 @@ from .common import (
 from .hari_cached import REFERENCE, build_one_device, hari_step
 
 GRID = "1x2048,1x4096,2x4096,1x8192,4x4096,1x16384"
+# the bf16 experts forward the loaders run by default, which the plan models (Workload.kit_experts)
+KIT_EXPERTS = LoadConfig.__dataclass_fields__["kit_experts"].default
 H200_BYTES = 139.8 * GIB  # what torch reports for an H200 (the plan's "fits" only; the rows do not use it)
 
 
@@ -255,14 +257,20 @@ def _squash(marks: list[dict]) -> list[dict]:
 # -- the run ------------------------------------------------------------------------------------------------
 
 
-def build_for(what: str, experts: str, config, device):
+def build_for(what: str, experts: str, config, device, kit_experts: bool):
     linears = "nf4" if experts == "nf4" else "bf16"
     if what == "cached":
-        model, _ = build_one_device(config, device, experts=experts, linears=linears, embed=False)
+        model, _ = build_one_device(
+            config, device, experts=experts, linears=linears, embed=False, kit_experts=kit_experts
+        )
         return model
     units = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
     model = build(
-        config, {u: device for u in units + ["model.norm", "lm_head"]}, experts=experts, linears=linears
+        config,
+        {u: device for u in units + ["model.norm", "lm_head"]},
+        experts=experts,
+        linears=linears,
+        kit_experts=kit_experts,
     )
     model.eval()
     return model
@@ -285,7 +293,7 @@ def run_part(what: str, experts: str, grid, args, device, gpu_bytes: float) -> l
     model = None
     try:
         t0 = time.perf_counter()
-        model = build_for(what, experts, config, device)
+        model = build_for(what, experts, config, device, args.kit_experts)
         sync(device)
         build_s, after_build = round(time.perf_counter() - t0, 1), allocated_gib(device, 3)
     except oom_types() as e:
@@ -336,8 +344,13 @@ def table(rows: list[dict]) -> str:
 
 def replan(path: str, out: str) -> None:
     data = json.loads(Path(path).read_text())
-    # the bf16 experts' forward the rows were measured with (files from before the key: transformers')
-    experts_grouped.set_kit_experts(data.get("kit_experts", False))
+    # the bf16 experts' forward the rows were measured with (files from before the key: transformers'); the
+    # plan models the loaders' default
+    if data.get("kit_experts", False) != KIT_EXPERTS:
+        print(
+            f"note: {path} was measured with kit_experts={data.get('kit_experts', False)}; the plan models the "
+            f"loaders' default, kit_experts={KIT_EXPERTS}"
+        )
     for r in data["rows"]:
         r.update(plan_of(r["what"], r["experts"], r["batch"], r["seq"], data["tiny"], data["gpu_bytes"]))
         if r.get("measured_gib"):
@@ -366,8 +379,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--kit-experts",
-        action="store_true",
-        help="bf16 experts through the kit's grouped forward (dsr1kit.model.experts_grouped) where it is off",
+        action=argparse.BooleanOptionalAction,
+        default=KIT_EXPERTS,
+        help="bf16 experts through the kit's grouped forward (dsr1kit.model.experts_grouped), as the loaders "
+        "run them by default (LoadConfig.kit_experts); --no-kit-experts: transformers' grouped_mm forward "
+        "(the plan models the default either way)",
     )
     ap.add_argument("--replan", default=None, help="a measured JSON: recompute its plan columns (no GPU)")
     ap.add_argument("--out", required=True)
@@ -375,8 +391,6 @@ def main() -> None:
     if args.replan:
         replan(args.replan, args.out)
         return
-    if args.kit_experts:
-        experts_grouped.set_kit_experts(True)
     grid = [
         tuple(int(x) for x in p.lower().split("x"))
         for p in (args.grid or ("1x64,2x64" if args.tiny else GRID)).split(",")
@@ -402,7 +416,7 @@ def main() -> None:
             "torch": torch.__version__,
             "measured": is_cuda(device),
             "complete": done,
-            "kit_experts": experts_grouped.kit_experts,
+            "kit_experts": args.kit_experts,
             "rows": rows,
             "wall_s": round(time.perf_counter() - t_start, 1),
         }

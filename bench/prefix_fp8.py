@@ -11,19 +11,18 @@ block scales), and the same layer is run three ways, forward only under
 no_grad as the prefix pass runs it:
 
 - **fp8**: ``FP8Linear`` / ``FP8Experts`` as the prefix pass runs them: the
-  dense linears through torch's block-scaled ``scaled_mm`` where it takes the
-  shape, the routed experts through the kit's grouped Triton GEMM
+  dense linears through torch's block-scaled ``scaled_mm`` (a bf16 GEMM of the
+  dequantized operands where it refuses the shape), the routed experts
+  through the kit's grouped Triton GEMM
   (activations quantized per token and 128-column group);
 - **fp8-lean**: the fp8 layer with the prefix pass's leaner forward
   (``prefix_layer``: query, key and value in the GEMMs' own layout, the
   residual add and RMSNorm in one pass), which the FP8 prefix pass runs;
 - **fp8-lean-kernels**: fp8-lean with the rotary/key kernel and the router
-  kernel switched on (``rope_kernels``, ``router_kernels``; off by default
-  until they have run on a GPU);
+  kernel (``rope_kernels``, ``router_kernels``), as the loader sets the lean
+  layers by default (``LoadConfig.prefix_kernels``); fp8-lean runs without them;
 - **nf4-lean**: the nf4 layer with that forward, to show what it would give
   the NF4 path (which keeps transformers' forward);
-- **fp8-triton**: the same modules with every GEMM on the kit's Triton kernels
-  (the path before torch's GEMM was taken);
 - **nf4**: today's prefix pass, NF4 experts (``NF4Experts``) and bitsandbytes
   NF4 linears, from the bf16 weights below;
 - **fp8-compiled** (``--compile``): the fp8 layer through ``torch.compile``
@@ -54,7 +53,7 @@ from pathlib import Path
 import torch
 
 from bench.common import build, free, peak_gib, quantize_linears_, r1_config, reset_peak, timed, tiny_config
-from dsr1kit.model import fp8_compute, prefix_layer
+from dsr1kit.model import fp8_compute
 from dsr1kit.model.experts_nf4 import NF4Experts
 from dsr1kit.model.fp8 import dequantize_fp8_blocks
 from dsr1kit.model.fp8_compute import FP8Experts, FP8Linear
@@ -62,36 +61,13 @@ from dsr1kit.model.prefix_layer import LEAN, lean_prefix_layers_
 
 
 @contextlib.contextmanager
-def fp8_route(dense: str = "auto"):
-    """Run the FP8 modules with the dense linears on ``dense`` (``fp8_kernels.DENSE_ROUTES``)."""
-    from dsr1kit.model import fp8_kernels
-
-    before = fp8_kernels.dense_route
-    fp8_kernels.set_dense_route(dense)
-    try:
-        yield
-    finally:
-        fp8_kernels.set_dense_route(before)
-
-
-@contextlib.contextmanager
-def lean_kernels(on: bool):
-    """The lean layer with its rotary/key and router kernels switched on or off (fp8-lean-kernels, fp8-lean)."""
-    before = prefix_layer.new_kernels
-    prefix_layer.set_new_kernels(on)
-    try:
-        yield
-    finally:
-        prefix_layer.set_new_kernels(before)
-
-
-@contextlib.contextmanager
-def lean_forward(layer: torch.nn.Module, on: bool = True):
-    """The layer with the prefix pass's leaner forward (its classes swapped), put back afterwards."""
+def lean_forward(layer: torch.nn.Module, on: bool = True, kernels: bool = False):
+    """The layer with the prefix pass's leaner forward (its classes swapped), with or without its rotary/key and
+    router kernels (fp8-lean-kernels, fp8-lean), put back afterwards."""
     if not on:
         yield
         return
-    lean_prefix_layers_(layer)
+    lean_prefix_layers_(layer, kernels=kernels)
     try:
         yield
     finally:
@@ -171,9 +147,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
         "fp8": fp8_layer,
         "fp8-lean": fp8_layer,
         "fp8-lean-kernels": fp8_layer,
-        "fp8-triton": fp8_layer,
     }
-    routes = {"fp8-triton": dict(dense="triton")}
     if args.compile:  # the FP8 layer through torch.compile: the elementwise work between its GEMMs fused
         from torch._dynamo.utils import counters
 
@@ -202,9 +176,7 @@ def measure(args, kind: str, device: torch.device) -> list[dict]:
             reset_peak(device)
             with (
                 torch.no_grad(),
-                fp8_route(**routes.get(name, {})),
-                lean_forward(variant, "-lean" in name),
-                lean_kernels(name.endswith("-kernels")),
+                lean_forward(variant, "-lean" in name, kernels=name.endswith("-kernels")),
             ):
                 model.model(inputs_embeds=hidden, use_cache=False)  # as the prefix pass calls it
                 outputs[name] = dict(captured)
@@ -337,13 +309,10 @@ def experts_by_torch(fp8: FP8Experts, x: torch.Tensor, index: torch.Tensor, weig
 
 
 def gemm_rows(args, device: torch.device) -> list[dict]:
-    """The GEMMs alone at prefix-pass shapes (16k-token micro-batch): the kit's FP8 kernel (activation
-    quantization included, and alone) beside torch's bf16 matmul, as TFLOP/s."""
+    """The GEMMs alone at prefix-pass shapes (16k-token micro-batch): the kit's FP8 linear and torch's
+    block-scaled GEMM (activation quantization included, and alone) beside torch's bf16 matmul, and the routed
+    experts on the kit's grouped kernel, as TFLOP/s."""
     from dsr1kit.model import fp8_kernels
-
-    def triton_linear(x, q, s):
-        with fp8_route("triton"):
-            return fp8_kernels.linear(x, q, s)
 
     tokens = 64 if args.tiny else 16384
     shapes = [(7168, 18432), (18432, 7168), (7168, 1536), (16384, 7168)] if not args.tiny else [(128, 256)]
@@ -371,9 +340,8 @@ def gemm_rows(args, device: torch.device) -> list[dict]:
         for what, fn in (
             ("torch scaled_mm blockwise incl. activation quant", blockwise),
             ("bf16 torch.mm", lambda x=x, w=w: x @ w.T),
-            ("fp8 kernel incl. activation quant", lambda x=x, q=q, s=s: triton_linear(x, q, s)),
             (
-                "kit's linear (auto route) incl. activation quant",
+                "kit's linear incl. activation quant",
                 lambda x=x, q=q, s=s: fp8_kernels.linear(x, q, s),
             ),
             ("activation quant alone", lambda x=x: fp8_kernels.quantize(x)),
@@ -445,11 +413,11 @@ def profile_rows(args, device: torch.device, kind: str = "moe", lean: bool = Fal
     model, config = one_layer_model(kind, args.tiny, device)
     fp8_compute.to_fp8_(model.model.layers[0])
     if lean:
-        lean_prefix_layers_(model.model.layers[0])
+        lean_prefix_layers_(model.model.layers[0], kernels=kernels)
     forward = "lean+kernels" if kernels else "lean" if lean else "transformers"
     seq = 64 if args.tiny else 4096
     hidden = torch.randn(4, seq, config.hidden_size, device=device, dtype=torch.bfloat16)
-    with torch.no_grad(), lean_kernels(kernels):
+    with torch.no_grad():
         for _ in range(2):
             model.model(inputs_embeds=hidden, use_cache=False)
         free(device)
@@ -485,7 +453,7 @@ def router_rows(device: torch.device, tokens: int = 16384) -> list[dict]:
     hidden = torch.randn(tokens, 7168, generator=g, device=device).to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device=device) * 0.02
     rows = []
-    with torch.no_grad(), lean_kernels(True):
+    with torch.no_grad():
         want = F.linear(hidden.float(), weight)
         rows.append(
             {"router": "router_logits vs float32", "rel_error": rel(router_logits(hidden, weight), want)}
@@ -544,7 +512,6 @@ def main() -> None:
             summary[f"{kind} {batch}x{seq}"] = {
                 "fp8_over_nf4": round(by["nf4"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_over_bf16": round(by["bf16"]["ms"] / by["fp8"]["ms"], 2),
-                "fp8_over_fp8_triton": round(by["fp8-triton"]["ms"] / by["fp8"]["ms"], 2),
                 "fp8_lean_over_nf4": round(by["nf4"]["ms"] / by["fp8-lean"]["ms"], 2),
                 "fp8_lean_over_fp8": round(by["fp8"]["ms"] / by["fp8-lean"]["ms"], 2),
                 "nf4_lean_over_nf4": round(by["nf4"]["ms"] / by["nf4-lean"]["ms"], 2),

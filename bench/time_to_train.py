@@ -40,15 +40,15 @@ def fp8_prefix_rate(path: Path, shape: list[int], lines: list[str]) -> float:
     """Tokens/s per GPU of R1's 60-layer prefix (3 dense + 57 MoE) from bench.prefix_fp8's layer times.
 
     The kit's FP8 path is the lean layer, with its rotary/key and router kernels where the kit switches them
-    on by default (``prefix_layer.new_kernels``) and the file has that path (``fp8-lean-kernels``), else
+    on by default (``LoadConfig.prefix_kernels``) and the file has that path (``fp8-lean-kernels``), else
     without (``fp8-lean``); timed back to back as the prefix pass runs its layers where the file has that.
     Older files give the ``fp8`` path, timed alone."""
-    from dsr1kit.model import prefix_layer
+    from dsr1kit.model.load import LoadConfig
 
     f = json.loads(path.read_text())
     rows = [r for r in f["rows"] if [r["batch"], r["seq"]] == shape]
     paths = {r["path"] for r in rows}
-    wanted = ["fp8-lean-kernels"] if prefix_layer.new_kernels else []
+    wanted = ["fp8-lean-kernels"] if LoadConfig.__dataclass_fields__["prefix_kernels"].default else []
     path_name = next(p for p in [*wanted, "fp8-lean", "fp8"] if p in paths)
     mine = [r for r in rows if r["path"] == path_name]
     key = "ms_back_to_back" if all(r.get("ms_back_to_back") for r in mine) else "ms"
@@ -72,7 +72,7 @@ def cached_step_rate(path: Path, lines: list[str]) -> tuple[float, float | None,
     With ``--compare reference`` the step is the kit's default one (the reference read from its cache); the
     difference between the two timings is the adapted layers' reference forward, which the reference pass
     runs once per sample instead of once per step."""
-    from dsr1kit.model import experts_grouped
+    from dsr1kit.model.load import LoadConfig
 
     f = json.loads(path.read_text())["summary"]
     routes = f["timed_without_profiler"]
@@ -82,7 +82,8 @@ def cached_step_rate(path: Path, lines: list[str]) -> tuple[float, float | None,
         forward_ms = in_step["ms_per_step"] - timed["ms_per_step"]
         ref_rate = f["seq"] / (forward_ms / 1e3)
         how = "reference read from its cache"
-        if "experts" in routes and experts_grouped.kit_experts:  # the experts forward the kit runs by default
+        # the experts forward the kit loads by default
+        if "experts" in routes and LoadConfig.__dataclass_fields__["kit_experts"].default:
             timed, how = routes["experts"]["kit"], how + ", the kit's grouped experts forward"
         lines.append(
             f"cached step ({f['device']}, {f['experts']} experts, {how}): "

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
-from dsr1kit.model import experts_grouped
 from dsr1kit.model.experts_grouped import EXPERTS_IMPLEMENTATION, permute_rows, use_kit_experts_
 
 
@@ -62,8 +62,7 @@ def test_a_row_permutation_and_its_gradient():
     assert torch.equal(x.grad, torch.zeros(7, 3).index_add_(0, index, g))
 
 
-def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_model, monkeypatch):
-    monkeypatch.setattr(experts_grouped, "kit_experts", True)
+def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_model):
     model = copy.deepcopy(bf16_model)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
 
@@ -87,16 +86,22 @@ def test_a_model_switched_to_the_kit_experts_trains_to_the_same_gradients(bf16_m
     assert not use_kit_experts_(model)  # already switched: nothing to do
 
 
-def test_eager_experts_are_left_alone(bf16_model, monkeypatch):
-    monkeypatch.setattr(experts_grouped, "kit_experts", True)
+def test_eager_experts_are_left_alone(bf16_model):
     model = copy.deepcopy(bf16_model)
     model.set_experts_implementation("eager")
     assert not use_kit_experts_(model)
     assert model.config._experts_implementation == "eager"
 
 
-def test_while_off_models_keep_transformers_forward(bf16_model, monkeypatch):
-    monkeypatch.setattr(experts_grouped, "kit_experts", False)
-    model = copy.deepcopy(bf16_model)
-    assert not use_kit_experts_(model)
-    assert model.config._experts_implementation == "grouped_mm"
+@pytest.mark.parametrize("on", [True, False])
+def test_the_loader_switches_models_as_its_config_says(tiny_dir, on):
+    """``LoadConfig.kit_experts`` (on by default): the kit's forward, or transformers' ``grouped_mm`` kept."""
+    from dsr1kit.model.load import LoadConfig, load_model
+
+    cfg = LoadConfig(
+        model=str(tiny_dir), dtype="bfloat16", quantization="none", quantize_experts=False, device_map="cpu"
+    )
+    assert cfg.kit_experts
+    loaded = load_model(replace(cfg, kit_experts=on))
+    assert loaded.info["kit_experts"] is on
+    assert loaded.model.config._experts_implementation == (EXPERTS_IMPLEMENTATION if on else "grouped_mm")

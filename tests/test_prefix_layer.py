@@ -119,6 +119,24 @@ def test_lean_layers_swap_only_transformers_deepseek_modules():
     assert lean_prefix_layers_(llama) == 0
 
 
+def test_whether_the_lean_modules_take_their_kernels_is_each_modules_own_setting(monkeypatch):
+    """The loader passes ``LoadConfig.prefix_kernels`` on: each swapped attention and router keeps the choice
+    (a copy too), and the router hands it to ``router_logits``."""
+    model = tiny_deepseek("sdpa", True)
+    lean_prefix_layers_(model)
+    swapped = [m for m in model.modules() if isinstance(m, (PrefixAttention, PrefixRouter))]
+    assert swapped and all(m.kernels for m in swapped)  # on by default
+    lean_prefix_layers_(model, kernels=False)  # already swapped: the setting still changes
+    twin = copy.deepcopy(model)
+    assert not any(getattr(m, "kernels", False) for m in twin.modules())
+    seen = []
+    real = prefix_layer.router_logits
+    monkeypatch.setattr(prefix_layer, "router_logits", lambda h, w, k: seen.append(k) or real(h, w, k))
+    with torch.no_grad():
+        twin(**padded_batch(model.config.vocab_size), use_cache=False)
+    assert seen and not any(seen)
+
+
 INTERPRETED_SCRIPT = textwrap.dedent(
     """
     import json
@@ -127,10 +145,8 @@ INTERPRETED_SCRIPT = textwrap.dedent(
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
     from dsr1kit.model import norm_kernels as nk, rope_kernels as rk
     from dsr1kit.model import router_kernels
-    from dsr1kit.model.prefix_layer import lean_prefix_layers_, set_new_kernels
+    from dsr1kit.model.prefix_layer import lean_prefix_layers_
     from tests.test_prefix_layer import padded_batch, tiny_deepseek, torch_rope_and_key
-
-    set_new_kernels(True)  # the lean layers below take them (the default; a test before may have switched them)
 
 
     def rel(a, b):
@@ -288,16 +304,15 @@ def test_the_rotary_kernel_compiles_to_separately_rounded_products_and_sums(inte
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_lean_layers_match_transformers_on_a_gpu(attn, kernels, monkeypatch):
+def test_lean_layers_match_transformers_on_a_gpu(attn, kernels):
     """The norm kernel and cuDNN's attention on strided query/key/value: within bf16 rounding of transformers'
     layer (the mean's addition order may move a normalized element by one bf16 step)."""
-    monkeypatch.setattr(prefix_layer, "new_kernels", kernels)  # with and without the rotary/router kernels
     model = tiny_deepseek(
         attn, True, torch.bfloat16, hidden_size=512, num_attention_heads=8, num_key_value_heads=8
     )
     model = model.cuda()
     lean = copy.deepcopy(model)
-    lean_prefix_layers_(lean)
+    lean_prefix_layers_(lean, kernels=kernels)  # with and without the rotary/router kernels
     batch = {k: v.cuda() for k, v in padded_batch(model.config.vocab_size).items()}
     batch_causal = {k: v.clone() for k, v in batch.items()}
     batch_causal["attention_mask"].fill_(1)  # no padding: sdpa takes its is_causal path
@@ -311,13 +326,12 @@ def test_lean_layers_match_transformers_on_a_gpu(attn, kernels, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu(monkeypatch):
+def test_router_logits_kernel_equals_the_float32_gemm_on_a_gpu():
     """Three bf16 parts hold the float32 weight exactly, and each slice's sum is added outside the tensor
     cores: float32 GEMM-level error (a bf16 GEMM's, for scale, is ~2e-3), the same top-8 for nearly every row."""
     from dsr1kit.model import router_kernels
     from dsr1kit.model.prefix_layer import router_logits
 
-    monkeypatch.setattr(prefix_layer, "new_kernels", True)
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(4096, 7168, generator=g, device="cuda").to(torch.bfloat16)
     weight = torch.randn(256, 7168, generator=g, device="cuda") * 0.02
@@ -359,17 +373,16 @@ def test_rope_and_key_kernel_is_transformers_rotary_bit_for_bit_on_a_gpu(interle
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", [False, True])
-def test_the_lean_fp8_layers_never_wait_for_the_host_on_a_gpu(kernels, monkeypatch):
+def test_the_lean_fp8_layers_never_wait_for_the_host_on_a_gpu(kernels):
     """A host sync inside a layer (torch.bincount, a boolean index) drains the GPU's queue once per layer, so the
     next kernels wait on Python to launch them. After the autotuner's first call, none may remain."""
     from dsr1kit.model.fp8_compute import to_fp8_
 
-    monkeypatch.setattr(prefix_layer, "new_kernels", kernels)
     model = tiny_deepseek(
         "sdpa", True, torch.bfloat16, hidden_size=512, num_attention_heads=8, num_key_value_heads=8
     ).cuda()
     to_fp8_(model)
-    lean_prefix_layers_(model)
+    lean_prefix_layers_(model, kernels=kernels)
     hidden = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
     position_ids = torch.arange(256, device="cuda")[None].expand(2, -1)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hari_support import adapted_model_and_batch
 
 from dsr1kit import params
-from dsr1kit.train.hari import fast_loss, naive_loss, reference_states
+from dsr1kit.train import vocab_loss
+from dsr1kit.train.hari import HariLoss, fast_loss, hari_loss, naive_loss, reference_states
 
 
 def _setup(last_k: int):
@@ -61,6 +64,21 @@ def test_kl_is_zero_when_the_adapter_is_zero():
                 q.zero_()
     parts = fast_loss(model, batch, 0.9, 1.5, min(plan.layers), chunk=1024)
     assert parts.kl == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_loss_config_picks_the_vocabulary_route(setup, monkeypatch):
+    """``HariLoss.vocab_route`` (auto by default) reaches every chunk's ``vocab_loss.terms_and_grad``."""
+    model, plan, batch = setup
+    seen = []
+    real = vocab_loss.terms_and_grad
+    monkeypatch.setattr(vocab_loss, "terms_and_grad", lambda *a: seen.append(a[-1]) or real(*a))
+    loss = HariLoss(lambda_kl=0.9, kl_temperature=1.5, kl_tokens="all", loss_chunk=7, impl="fast")
+    assert loss.vocab_route == "auto"
+    default = hari_loss(model, batch, loss, min(plan.layers))
+    forced = hari_loss(model, batch, replace(loss, vocab_route="torch"), min(plan.layers))
+    chunks = len(seen) // 2
+    assert chunks > 1 and seen == ["auto"] * chunks + ["torch"] * chunks
+    assert float(forced.loss) == float(default.loss)  # on a CPU auto takes the torch ops
 
 
 def test_kl_uses_the_temperature_and_lambda(setup):

@@ -10,7 +10,7 @@ permutation (a gather, no sort, no zeroed buffer); then they are weighted and su
 The forward's values are transformers' bit for bit (the same products, summed over the same ``[T, K]``
 layout); so are the gradients, which only move through a permutation in another order. Registered with
 transformers as ``EXPERTS_IMPLEMENTATION``; ``use_kit_experts_`` switches a loaded model to it (the loaders
-call it; with ``kit_experts`` off it leaves models as they are).
+call it where ``LoadConfig.kit_experts`` is on, the default).
 """
 
 from __future__ import annotations
@@ -25,16 +25,6 @@ except ImportError:  # pragma: no cover - a transformers without it: the kit's f
     _grouped_linear = None
 
 EXPERTS_IMPLEMENTATION = "dsr1kit_grouped_mm"
-# On in the loaders since an H100 measured it (docs/benchmarks.md): the step's gradients equal, 1.01x the cached
-# step, a frozen forward's peak 2.8 GiB lower at 16k tokens; bench.cached_step_profile --compare experts times
-# it either way, bench.plan_r1 --kit-experts measures the memory plan's rows for it.
-kit_experts = True
-
-
-def set_kit_experts(on: bool) -> None:
-    """Whether ``use_kit_experts_`` switches models to this forward (benchmarks and tests switch it)."""
-    global kit_experts
-    kit_experts = bool(on)
 
 
 class _RowPermutation(torch.autograd.Function):
@@ -98,8 +88,7 @@ def use_kit_experts_(model: nn.Module) -> bool:
     Other choices (``eager``, the kit's NF4 experts, which have their own forward) are left as they are."""
     config = getattr(model, "config", None)
     if (
-        not kit_experts
-        or EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS
+        EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS
         or getattr(config, "_experts_implementation", None) != "grouped_mm"
         or not hasattr(model, "set_experts_implementation")
     ):

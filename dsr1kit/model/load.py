@@ -8,9 +8,9 @@ What differs from a plain ``from_pretrained``, and why:
 - An explicit device_map for one node (``placement``), ``max_memory`` per GPU
   and one offload folder per rank (ranks of one node must not share it).
 - Routing stays fp32 (native router computes in fp32; no autocast here).
-- bf16 routed experts can run the kit's grouped forward (``experts_grouped``,
-  off until measured on a GPU): transformers' values and gradients bit for
-  bit, without reordering fp32 copies of every routed row.
+- bf16 routed experts run the kit's grouped forward (``experts_grouped``,
+  ``kit_experts``): transformers' values and gradients bit for bit, without
+  reordering fp32 copies of every routed row.
 - Tokenizer: pad = eos when missing, right padding; the embeddings are resized
   when the tokenizer has more tokens than the model (an out-of-range id is a
   device-side assert on a GPU).
@@ -51,6 +51,13 @@ class LoadConfig:
     fp8_compute: bool = (
         False  # FP8 weights kept as stored, block-scaled FP8 GEMMs (the prefix pass, forward only)
     )
+    # bf16 routed experts through the kit's grouped forward (experts_grouped); on since an H100 measured it
+    # (docs/benchmarks.md): gradients equal, 1.01x the cached step, a frozen forward's peak 2.8 GiB lower at 16k
+    # tokens. Benchmarks set it to compare with transformers' grouped_mm forward.
+    kit_experts: bool = True
+    # the FP8 prefix pass's lean layers (prefix_layer) take the rotary/key and router Triton kernels on a GPU;
+    # on since their GPU tests passed on an H100 and bench.prefix_fp8 measured them there
+    prefix_kernels: bool = True
 
     @classmethod
     def for_evaluation(
@@ -148,6 +155,7 @@ def _load_streaming(cfg: LoadConfig, path: str, dm, dtype):
         nf4_experts=cfg.quantize_experts,
         dtype=dtype,
         fp8_compute=cfg.fp8_compute,
+        prefix_kernels=cfg.prefix_kernels,
     )
     return dispatch_across_gpus(model, dm)
 
@@ -203,7 +211,7 @@ def load_model(cfg: LoadConfig, rank: int = 0, tokenizer=None) -> LoadedModel:
     if cfg.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     applied = quirks.apply_quirks(model)
-    kit_experts = use_kit_experts_(model)
+    kit_experts = cfg.kit_experts and use_kit_experts_(model)
     info = {
         "path": path,
         "dtype": cfg.dtype,
@@ -263,7 +271,7 @@ def load_adapted(cfg: LoadConfig, first_layer: int, local_rank: int = 0, tokeniz
         "parameters": loaded_parameters(model),
         "memory_gib": round(model.get_memory_footprint() / 2**30, 3),
         "quirks": quirks.apply_quirks(model),
-        "kit_experts": use_kit_experts_(model),
+        "kit_experts": cfg.kit_experts and use_kit_experts_(model),
         "placement": str(device),
         "boundary_crossings": 0,
     }

@@ -8,7 +8,7 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
   attention as transposed views: the query is never copied, and attention writes its output in the
   order ``o_proj`` reads it;
 - the rotary part is computed by transformers' own functions and written back into the query in place;
-  on a GPU (``new_kernels``, on by default), one Triton pass rotates the query in place and writes the
+  on a GPU (``kernels``, on by default), one Triton pass rotates the query in place and writes the
   whole key (``rope_kernels``), bit for bit transformers' rotary;
 - the residual add and the RMSNorm after it are one pass (``norm_kernels``), and so are the latent norms;
 - the router's float32 logits are transformers' float32 GEMM; on a GPU, a Triton GEMM on the tensor cores
@@ -17,7 +17,9 @@ concatenating transposed views, and its RMSNorm makes five float32 passes over t
 Forward only: with autograd on, or a KV cache, each module takes transformers' own forward. Applied by
 ``lean_prefix_layers_`` to a model that only runs the prefix pass (the FP8 one, whose weights refuse a
 gradient anyway); the class of each DeepSeek layer and attention module is swapped for its subclass here, so
-forward hooks, ``deepcopy`` and accelerate's dispatch hooks (attached after) see ordinary modules.
+forward hooks, ``deepcopy`` and accelerate's dispatch hooks (attached after) see ordinary modules. Whether
+the swapped modules take the kernels is an attribute of each (``kernels``), which the loader sets from
+``LoadConfig.prefix_kernels``.
 """
 
 from __future__ import annotations
@@ -30,22 +32,12 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from . import rope_kernels, router_kernels
 from .norm_kernels import add_rms_norm
 
-# The rotary/key and router kernels: on since `pytest -m gpu tests/test_prefix_layer.py` passed on an H100 and
-# bench.prefix_fp8 measured them there (docs/benchmarks.md); benchmarks and tests switch them to compare.
-new_kernels = True
 
-
-def set_new_kernels(on: bool) -> None:
-    """Whether the lean layer takes the rotary/key and router kernels (benchmarks and tests switch them)."""
-    global new_kernels
-    new_kernels = bool(on)
-
-
-def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` in float32, as transformers' router computes it: on a GPU through
-    ``router_kernels`` (bf16 rows times the float32 weight split exactly into three bf16 parts, on the tensor
-    cores), elsewhere ``F.linear`` of both in float32."""
-    if new_kernels and router_kernels.runs_kernel(hidden, weight):
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor, kernels: bool = True) -> torch.Tensor:
+    """``hidden @ weight.T`` in float32, as transformers' router computes it: on a GPU (with ``kernels``)
+    through ``router_kernels`` (bf16 rows times the float32 weight split exactly into three bf16 parts, on the
+    tensor cores), elsewhere ``F.linear`` of both in float32."""
+    if kernels and router_kernels.runs_kernel(hidden, weight):
         return router_kernels.logits(hidden, weight)
     return F.linear(hidden.type(torch.float32), weight.type(torch.float32))
 
@@ -56,6 +48,8 @@ def _takes_lean_path(cache, kwargs) -> bool:
 
 class PrefixAttention(ds.DeepseekV3Attention):
     """MLA with query, key and value in [batch, seq, heads, dim] order (see the module docstring)."""
+
+    kernels = True  # the rotary/key kernel on a GPU; ``lean_prefix_layers_`` sets it per module
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         if not _takes_lean_path(cache, kwargs) or position_embeddings is None:
@@ -76,7 +70,7 @@ class PrefixAttention(ds.DeepseekV3Attention):
 
         cos, sin = position_embeddings
         interleave = bool(self.config.rope_interleave)
-        if new_kernels and rope_kernels.runs_kernel(q, cos, nope, rope):
+        if self.kernels and rope_kernels.runs_kernel(q, cos, nope, rope):
             key = rope_kernels.rope_and_key(q, kv, k_rot, cos, sin, nope, interleave)
         else:
             rotate = ds.apply_rotary_pos_emb_interleave if interleave else ds.apply_rotary_pos_emb
@@ -106,9 +100,11 @@ class PrefixAttention(ds.DeepseekV3Attention):
 class PrefixRouter(ds.DeepseekV3TopkRouter):
     """transformers' DeepSeek-V3 router (group-limited top-k over sigmoid scores) with ``router_logits``."""
 
+    kernels = True  # the router kernel on a GPU; ``lean_prefix_layers_`` sets it per module
+
     def forward(self, hidden_states):
         hidden_states = hidden_states.view(-1, self.hidden_dim)
-        logits = router_logits(hidden_states, self.weight)
+        logits = router_logits(hidden_states, self.weight, self.kernels)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.num_group
@@ -165,16 +161,19 @@ class PrefixDecoderLayer(ds.DeepseekV3DecoderLayer):
         return residual + self.mlp(normed)
 
 
-def lean_prefix_layers_(model: nn.Module) -> int:
+def lean_prefix_layers_(model: nn.Module, kernels: bool = True) -> int:
     """Swap every transformers DeepSeek-V3 decoder layer, attention module and router under ``model`` for the
     prefix pass's forward (same values, fewer passes); returns how many modules were swapped. Other classes (a
-    checkpoint's own remote code) are left as they are."""
+    checkpoint's own remote code) are left as they are. ``kernels``: whether the lean attention and router
+    take the rotary/key and router kernels on a GPU (set on modules swapped before too)."""
     swapped = 0
     for module in model.modules():
         lean = LEAN.get(type(module))
         if lean is not None:
             module.__class__ = lean
             swapped += 1
+        if isinstance(module, (PrefixAttention, PrefixRouter)):
+            module.kernels = kernels
     return swapped
 
 
@@ -191,7 +190,5 @@ __all__ = [
     "PrefixDecoderLayer",
     "PrefixRouter",
     "lean_prefix_layers_",
-    "new_kernels",
     "router_logits",
-    "set_new_kernels",
 ]

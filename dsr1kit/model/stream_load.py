@@ -471,6 +471,7 @@ def load_streaming(
     chunk_experts: int = CHUNK_EXPERTS,
     progress: bool = True,
     fp8_compute: bool = False,
+    prefix_kernels: bool = True,
 ) -> nn.Module:
     """DeepseekV3ForCausalLM from a BF16 or FP8 checkpoint dir, one unit at a time, in eval mode.
 
@@ -480,6 +481,7 @@ def load_streaming(
     expect_config: config fields the checkpoint must have, e.g. ``{"n_routed_experts": 256}``.
     fp8_compute: keep what the checkpoint stores in FP8 as stored and run it in FP8 (forward only;
     overrides the NF4 flags for those tensors).
+    prefix_kernels: with ``fp8_compute``, the lean layers take the rotary/key and router kernels on a GPU.
     """
     ckpt = Checkpoint(path)
     if expect_config:
@@ -501,7 +503,7 @@ def load_streaming(
         loader.load_unit(prefix)
     finish_load(model, ckpt, device_map, dtype)
     if fp8_compute:  # a prefix-pass-only model: the leaner forward (same values, fewer memory passes)
-        lean_prefix_layers_(model)
+        lean_prefix_layers_(model, kernels=prefix_kernels)
     return model
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..model import experts_grouped
 from ..model.experts_nf4 import CHUNK_EXPERTS
 from .inventory import FP8_BLOCK_BYTES, Inventory, bytes_per_param, served_bytes_per_param
 
@@ -75,40 +74,44 @@ def _attention_per_token(c) -> int:
     return 3 * heads * head_dim + 4 * kv * head_dim + 3 * h
 
 
-def _routed_per_token(c, nf4_experts: bool, saved: bool, forward_only: bool = False) -> int:
+def _routed_per_token(
+    c, nf4_experts: bool, saved: bool, forward_only: bool = False, kit_experts: bool = True
+) -> int:
     """The routed experts, in 2-byte units per token: held until backward (``saved``), else the peak of a
     forward and backward (``forward_only``: of a forward under no_grad, as the prefix pass and frozen layers run).
 
     bf16 (transformers' grouped_mm forward): per (token, k) row, the forward peaks while it reorders the
     routing-weighted rows, which the fp32 routing weights (``keep_routing_fp32``) make fp32: the gathered
     input and the down projection's output (bf16, h each) and the weighted rows and their reordered copy
-    (fp32, 2h each) are alive at once: 6h. The kit's grouped forward (``experts_grouped``, while switched
-    on) reorders the bf16 rows before weighting them: under no_grad the gathered input, the rows in token
-    order (bf16, h each) and the weighted rows (fp32, 2h) are alive while the fp32 sum per token (2h) is
-    written: 4h per row + 2h per token. Its backward still peaks at 6h per row (measured at R1's widths: the
-    same peak as transformers' forward). Autograd keeps gate/up's output (2i), the activation (i), the
-    product (i) and the down output (h, for the routing weights' gradient). NF4 (``NF4Experts``): the
-    forward writes fp32 rows per (token, k) and each chunk's gate/up/down rows (h + 3i); the backward
-    recomputes the experts, so only the layer's input (h) is kept.
+    (fp32, 2h each) are alive at once: 6h. The kit's grouped forward (``experts_grouped``, ``kit_experts``:
+    ``LoadConfig.kit_experts``, on by default) reorders the bf16 rows before weighting them: under no_grad the
+    gathered input, the rows in token order (bf16, h each) and the weighted rows (fp32, 2h) are alive while
+    the fp32 sum per token (2h) is written: 4h per row + 2h per token. Its backward still peaks at 6h per
+    row (measured at R1's widths: the same peak as transformers' forward). Autograd keeps gate/up's output
+    (2i), the activation (i), the product (i) and the down output (h, for the routing weights' gradient).
+    NF4 (``NF4Experts``): the forward writes fp32 rows per (token, k) and each chunk's gate/up/down rows
+    (h + 3i); the backward recomputes the experts, so only the layer's input (h) is kept.
     """
     h, k, inter = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size
     if nf4_experts:
         return h if saved else k * (h + 3 * inter)
     if saved:
         return k * (h + 4 * inter)
-    if forward_only and experts_grouped.kit_experts:
+    if forward_only and kit_experts:
         return k * 4 * h + 2 * h
     return k * 6 * h
 
 
-def _mlp_per_token(c, moe: bool, nf4_experts: bool, saved: bool, forward_only: bool = False) -> int:
+def _mlp_per_token(
+    c, moe: bool, nf4_experts: bool, saved: bool, forward_only: bool = False, kit_experts: bool = True
+) -> int:
     h = c.hidden_size
     if not moe:
         return 3 * c.intermediate_size + h
     inter = c.moe_intermediate_size
     shared = 3 * (getattr(c, "n_shared_experts", 0) or 0) * inter
     router = 2 * c.n_routed_experts * 2  # fp32 logits and scores, counted in 2-byte units
-    return _routed_per_token(c, nf4_experts, saved, forward_only) + shared + router + h
+    return _routed_per_token(c, nf4_experts, saved, forward_only, kit_experts) + shared + router + h
 
 
 def _is_moe(c, layer: int) -> bool:
@@ -121,9 +124,13 @@ def _is_moe(c, layer: int) -> bool:
 HELD_STATES = 4
 
 
-def layer_forward_bytes(c, layer: int, tokens: int, act: int, nf4_experts: bool) -> float:
+def layer_forward_bytes(
+    c, layer: int, tokens: int, act: int, nf4_experts: bool, kit_experts: bool = True
+) -> float:
     """Peak of one layer's forward under no_grad: attention or MLP intermediates, plus the states it holds."""
-    mlp = _mlp_per_token(c, _is_moe(c, layer), nf4_experts, saved=False, forward_only=True)
+    mlp = _mlp_per_token(
+        c, _is_moe(c, layer), nf4_experts, saved=False, forward_only=True, kit_experts=kit_experts
+    )
     inner = max(_attention_per_token(c), mlp)
     return tokens * act * (inner + HELD_STATES * c.hidden_size)
 
@@ -205,6 +212,7 @@ class Workload:
     train: bool = True  # one HARI fast-path step; False: a forward only
     probe_tokens: int = 0  # forward only: tokens whose fp32 logits are compared
     fp8: bool = False  # forward only: linears and experts held as stored in FP8, block-scaled FP8 GEMMs
+    kit_experts: bool = True  # bf16 experts run the kit's grouped forward (``LoadConfig.kit_experts``)
 
 
 def training_devices(
@@ -247,7 +255,7 @@ def training_devices(
             dequant[d] = max(
                 dequant[d], (dequant_bytes(c, nf4_experts, act) if moe else 0.0) + linear_dequant
             )
-            forward = layer_forward_bytes(c, i, tokens, act, nf4_experts)
+            forward = layer_forward_bytes(c, i, tokens, act, nf4_experts, work.kit_experts)
             if work.fp8 and moe:
                 forward = max(forward, fp8_moe_forward_bytes(c, tokens, act))
             act_peak[d] = max(act_peak[d], forward)

@@ -33,6 +33,7 @@ from ..model.lora import decoder_layers
 from . import vocab_loss
 
 KlTokens = Literal["all", "assistant"]
+VocabRoute = Literal["auto", "torch", "fused"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class HariLoss:
     kl_tokens: KlTokens  # all: attention-masked tokens; assistant: positions predicting the answer
     loss_chunk: int  # tokens per chunk of the lm_head / CE / KL pass (fast)
     impl: Literal["fast", "naive"]  # fast: frozen prefix once, logits in chunks; naive: the recipe
+    # fast: the CE/KL terms and the logits' gradient over the vocabulary (vocab_loss): the fused Triton kernel
+    # (fused), torch ops (torch), or the kernel where it runs, i.e. on CUDA (auto); benchmarks compare them
+    vocab_route: VocabRoute = "auto"
 
 
 @dataclass
@@ -180,12 +184,14 @@ def _head(model):
     return inner.norm, base.get_output_embeddings()
 
 
-def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperature, w_ce, w_kl):
+def chunk_terms_and_grad(
+    norm, lm_head, h, ref_h, targets, kl_select, temperature, w_ce, w_kl, vocab_route: VocabRoute = "auto"
+):
     """CE/KL sums of one chunk (device scalars) and d(loss)/d(h), with the logits' gradient in closed form.
 
     Only norm → lm_head goes through autograd, so no [chunk, V] activation is
     kept for a backward pass and nothing is recomputed; the terms and the
-    logits' gradient come from ``vocab_loss`` (one fused kernel on a GPU).
+    logits' gradient come from ``vocab_loss`` (one fused kernel on a GPU; ``vocab_route``).
     """
     h = h.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -195,7 +201,7 @@ def chunk_terms_and_grad(norm, lm_head, h, ref_h, targets, kl_select, temperatur
     with torch.no_grad():
         ref_logits = None if ref_h is None else lm_head(norm(ref_h)).to(logits.device)
         ce, kl, grad = vocab_loss.terms_and_grad(
-            logits.detach(), ref_logits, targets, kl_select, temperature, w_ce, w_kl
+            logits.detach(), ref_logits, targets, kl_select, temperature, w_ce, w_kl, vocab_route
         )
         del ref_logits
     logits.backward(grad)
@@ -221,6 +227,7 @@ def fast_loss(
     *,
     chunk: int,
     ref_hidden: torch.Tensor | None = None,
+    vocab_route: VocabRoute = "auto",
 ) -> LossParts:
     """Same value and gradients as ``naive_loss``; frozen prefix once, logits in chunks.
 
@@ -228,7 +235,8 @@ def fast_loss(
     gradient with respect to the adapted layers' output is the one computed
     chunk by chunk, so ``loss.backward()`` works as for ``naive_loss``.
     ``ref_hidden`` (``reference_states`` of this batch, computed earlier) saves
-    running the adapted layers a second time with the adapter off.
+    running the adapted layers a second time with the adapter off; ``vocab_route``:
+    ``HariLoss.vocab_route``.
     """
     # the counts and positions the loss needs, read before the layers run: the step's only other wait for the
     # device comes at its end, so the GPU is not left idle between the layers and the loss
@@ -274,6 +282,7 @@ def fast_loss(
             temperature,
             w_ce,
             w_kl,
+            vocab_route,
         )
         ce_sum, kl_sum = ce_sum + c.to(dev), kl_sum + k.to(dev)
         grads.append(g)
@@ -301,4 +310,5 @@ def hari_loss(
         loss.kl_tokens,
         chunk=loss.loss_chunk,
         ref_hidden=ref_hidden,
+        vocab_route=loss.vocab_route,
     )

@@ -11,7 +11,7 @@ and the reference's logits once to get the three log-sum-exps, the KL and the
 target's logit (online, in float32), then once more to write the gradient in the
 logits' dtype. Elsewhere (CPU tests) the torch ops below compute the same; the
 two agree to float32 summation order (tests through Triton's interpreter, and
-on a GPU).
+on a GPU). ``route`` picks one (``HariLoss.vocab_route``): ``auto`` takes the kernel where it runs.
 """
 
 from __future__ import annotations
@@ -21,18 +21,9 @@ import os
 
 import torch
 
-ROUTES = ("auto", "torch", "fused")
-route = "auto"  # auto: the fused kernel on CUDA tensors, torch ops elsewhere
+ROUTES = ("auto", "torch", "fused")  # auto: the fused kernel on CUDA tensors, torch ops elsewhere
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def set_route(name: str) -> None:
-    """Which implementation ``terms_and_grad`` takes (benchmarks compare them side by side)."""
-    global route
-    if name not in ROUTES:
-        raise ValueError(f"vocab loss route {name!r}: valid are {', '.join(ROUTES)}")
-    route = name
 
 
 def torch_terms_and_grad(z, r, targets, kl_select, temperature: float, w_ce: float, w_kl: float):
@@ -64,8 +55,12 @@ def _fused_available(z: torch.Tensor) -> bool:
     return _INTERPRETING or (z.is_cuda and _HAS_TRITON)
 
 
-def terms_and_grad(z, r, targets, kl_select, temperature: float, w_ce: float, w_kl: float):
-    """``torch_terms_and_grad``'s result, by the fused kernel where it runs (``route``)."""
+def terms_and_grad(
+    z, r, targets, kl_select, temperature: float, w_ce: float, w_kl: float, route: str = "auto"
+):
+    """``torch_terms_and_grad``'s result, by the fused kernel where it runs (``route``: one of ``ROUTES``)."""
+    if route not in ROUTES:
+        raise ValueError(f"vocab loss route {route!r}: valid are {', '.join(ROUTES)}")
     fused = route == "fused" or (route == "auto" and _fused_available(z))
     if not fused:
         return torch_terms_and_grad(z, r, targets, kl_select, temperature, w_ce, w_kl)
@@ -74,4 +69,4 @@ def terms_and_grad(z, r, targets, kl_select, temperature: float, w_ce: float, w_
     return fused_terms_and_grad(z, r, targets, kl_select, temperature, w_ce, w_kl)
 
 
-__all__ = ["ROUTES", "set_route", "terms_and_grad", "torch_terms_and_grad"]
+__all__ = ["ROUTES", "terms_and_grad", "torch_terms_and_grad"]
