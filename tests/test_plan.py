@@ -284,10 +284,11 @@ def test_the_plan_holds_the_measured_peaks_at_r1_widths_within_10_percent(result
     plan_r1.h100.json: bf16 and NF4 experts, the cached step (reference run in the step) and a prefix
     micro-batch, 2k-16k tokens; plan_r1.reference_cached.h100.json: the cached step as the kit runs it by
     default, its reference states read from the reference cache and held through the step."""
-    from dsr1kit.model import experts_grouped
+    from dsr1kit.model.load import LoadConfig
 
     measured = json.loads((ROOT / "docs" / "results" / results).read_text())
-    assert measured["kit_experts"] == experts_grouped.kit_experts  # measured as the kit runs by default
+    # measured with the experts forward the kit loads by default, which the plan models by default
+    assert measured["kit_experts"] == LoadConfig.__dataclass_fields__["kit_experts"].default
     rows = [r for r in measured["rows"] if r.get("measured_gib")]
     assert len(rows) == count
     assert all(r.get("reference") == reference for r in rows if r["what"] == "cached")
@@ -322,19 +323,45 @@ def test_the_cached_step_plan_counts_the_adapted_layers_transient_once():
     assert nf4.parts["activations"] < large.parts["activations"]  # NF4 experts recompute in backward
 
 
-def test_with_the_kit_experts_forward_a_frozen_forward_drops_the_reordered_fp32_rows(monkeypatch):
+def test_with_the_kit_experts_forward_a_frozen_forward_drops_the_reordered_fp32_rows():
     """The kit's grouped experts forward reorders bf16 rows before weighting them: under no_grad (a prefix
     micro-batch) 2h fewer two-byte units per (token, k) and 2h more per token (the fp32 sum is written while
     the weighted rows are alive); the cached step, which peaks in the backward, and NF4 experts, which have
-    their own forward, unchanged."""
-    from dsr1kit.model import experts_grouped
+    their own forward, unchanged. The plan follows the workload's ``kit_experts`` (the loader's
+    ``LoadConfig.kit_experts``, on by default in both)."""
+    import copy
+
+    from dsr1kit.model.load import LoadConfig
+    from dsr1kit.plan.devices import Workload, training_devices
+    from dsr1kit.plan.inventory import strip_quantization
 
     config = _r1_widths(1, 0)
     h, k, seq = config.hidden_size, config.num_experts_per_tok, 16384
+    assert (
+        Workload(2, False, False, seq).kit_experts == LoadConfig.__dataclass_fields__["kit_experts"].default
+    )
+    inv = {
+        what: inventory(strip_quantization(copy.deepcopy(_r1_widths(*layers))))
+        for what, layers in (("cached", (1, 0)), ("prefix", (3, 1)))
+    }
 
     def gpu(experts, what, on):
-        monkeypatch.setattr(experts_grouped, "kit_experts", on)
-        return _bench_gpu({"experts": experts, "what": what, "batch": 1, "seq": seq})
+        nf4, cached = experts == "nf4", what == "cached"
+        work = Workload(
+            2,
+            nf4,
+            nf4,
+            seq,
+            chunk=1024,
+            last_k=int(cached),
+            from_pretrained=False,
+            train=cached,
+            kit_experts=on,
+        )
+        devices = training_devices(
+            inv[what], work, n_gpus=1, scheme="contiguous", gpu_bytes=141 * GIB, host_bytes=0.0
+        )
+        return devices[0]
 
     transformers_way, kit_way = gpu("bf16", "prefix", False), gpu("bf16", "prefix", True)
     drop = transformers_way.parts["activations"] - kit_way.parts["activations"]
