@@ -10,7 +10,7 @@ from hari_support import adapted_model_and_batch
 
 from dsr1kit import params
 from dsr1kit.train import vocab_loss
-from dsr1kit.train.hari import HariLoss, fast_loss, hari_loss, naive_loss, reference_states
+from dsr1kit.train.hari import HariLoss, fast_loss, hari_loss, naive_loss, reference_states, token_terms
 
 
 def _setup(last_k: int):
@@ -64,6 +64,24 @@ def test_kl_is_zero_when_the_adapter_is_zero():
                 q.zero_()
     parts = fast_loss(model, batch, 0.9, 1.5, min(plan.layers), chunk=1024)
     assert parts.kl == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_loss_its_vocabulary_route_and_the_measurements_share_one_kl():
+    """``token_terms`` (the naive loss), the fast loss's torch ops and ``measure.kl`` all compute the forward KL
+    with ``vocab_loss.forward_kl``: the same values bit for bit, equal to torch's own ``kl_div``."""
+    from dsr1kit.measure.kl import kl_per_token, log_probs
+
+    g = torch.Generator().manual_seed(3)
+    z, r = torch.randn(6, 50, generator=g) * 3, torch.randn(6, 50, generator=g) * 3
+    targets, select = torch.full((6,), -100), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    log_q, log_p = vocab_loss.log_probs(r, 1.5), vocab_loss.log_probs(z, 1.5)
+    kl = vocab_loss.forward_kl(log_q, log_p)
+    want = torch.nn.functional.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
+    assert torch.allclose(kl, want, rtol=1e-5, atol=1e-7) and (kl > 0).all()
+    assert torch.equal(token_terms(z, r, targets, select, 1.5)[1], (kl * select).sum())
+    assert torch.equal(vocab_loss.torch_terms_and_grad(z, r, targets, select, 1.5, 0.0, 1.0)[1], kl * select)
+    at_one = vocab_loss.forward_kl(vocab_loss.log_probs(r), vocab_loss.log_probs(z))
+    assert torch.equal(kl_per_token(log_probs(r), log_probs(z)), at_one)
 
 
 def test_the_loss_config_picks_the_vocabulary_route(setup, monkeypatch):

@@ -1,8 +1,8 @@
 """KL(base ‖ adapted) per token, fp32, temperature 1: the one KL of the kit's measurements.
 
-The formula is the training loss's (``train.hari.token_terms`` at temperature 1), so a measured KL and
-the KL term HARI minimised are the same quantity. The base is the same PeftModel under
-``disable_adapter()``.
+The function is the training loss's (``train.vocab_loss.forward_kl``, which ``train.hari.token_terms``
+and the loss's torch ops call, here at temperature 1), so a measured KL and the KL term HARI minimised
+are the same quantity. The base is the same PeftModel under ``disable_adapter()``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
+from ..train import vocab_loss
 from ..train.hari import kl_mask
 from .batches import batches, encode_scored, eval_mode
 
@@ -21,12 +21,12 @@ _MASK_OF_SPAN = {"answer": "assistant", "all": "all"}
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the vocabulary in fp32."""
-    return F.log_softmax(logits.float(), dim=-1)
+    return vocab_loss.log_probs(logits)
 
 
 def kl_per_token(log_base: torch.Tensor, log_adapted: torch.Tensor) -> torch.Tensor:
     """KL(p_base ‖ p_adapted) at each position, from fp32 log-probabilities [..., vocab] → [...]."""
-    return (log_base.exp() * (log_base - log_adapted)).sum(-1)
+    return vocab_loss.forward_kl(log_base, log_adapted)
 
 
 @torch.no_grad()

@@ -86,9 +86,8 @@ def token_terms(
     ce_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
     if ref_logits is None:
         return ce_sum, logits.new_zeros(())
-    log_p = F.log_softmax(logits / temperature, dim=-1)
-    log_q = F.log_softmax(ref_logits.float() / temperature, dim=-1)
-    kl = (log_q.exp() * (log_q - log_p)).sum(-1)
+    log_p = vocab_loss.log_probs(logits, temperature)
+    kl = vocab_loss.forward_kl(vocab_loss.log_probs(ref_logits, temperature), log_p)
     return ce_sum, (kl * kl_select).sum()
 
 

@@ -12,6 +12,10 @@ target's logit (online, in float32), then once more to write the gradient in the
 logits' dtype. Elsewhere (CPU tests) the torch ops below compute the same; the
 two agree to float32 summation order (tests through Triton's interpreter, and
 on a GPU). ``route`` picks one (``HariLoss.vocab_route``): ``auto`` takes the kernel where it runs.
+
+The forward KL itself, KL(softmax(r/T) ‖ softmax(z/T)) from fp32 log-probabilities (``log_probs``,
+``forward_kl``), is the one the kit writes in torch: the naive loss (``hari.token_terms``) and the
+measurements (``measure.kl``) call it too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ import torch
 ROUTES = ("auto", "torch", "fused")  # auto: the fused kernel on CUDA tensors, torch ops elsewhere
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) over the last dimension, in fp32 (no scaled copy at T = 1)."""
+    x = logits.float()
+    return torch.log_softmax(x / temperature if temperature != 1.0 else x, -1)
+
+
+def forward_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """KL(q ‖ p) = Σ q (log q − log p) per position, from fp32 log-probabilities [..., vocab] → [...]: q the
+    reference's (the base's), p the adapted model's."""
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
 
 
 def torch_terms_and_grad(z, r, targets, kl_select, temperature: float, w_ce: float, w_kl: float):
@@ -39,11 +55,11 @@ def torch_terms_and_grad(z, r, targets, kl_select, temperature: float, w_ce: flo
     grad.mul_((valid.float() * w_ce).unsqueeze(1))
     kl = torch.zeros_like(ce)
     if r is not None:
-        log_q = torch.log_softmax(r.float() / temperature, -1)
-        log_p = torch.log_softmax(zf / temperature, -1)
+        log_q = log_probs(r, temperature)
+        log_p = log_probs(zf, temperature)
         del zf
-        q = log_q.exp()
-        kl = (q * (log_q - log_p)).sum(-1) * kl_select
+        kl = forward_kl(log_q, log_p) * kl_select
+        q = log_q.exp_()
         del log_q
         p_t = log_p.exp_()
         grad.add_((p_t - q).mul_((kl_select * (w_kl / temperature)).unsqueeze(1)))
@@ -69,4 +85,4 @@ def terms_and_grad(
     return fused_terms_and_grad(z, r, targets, kl_select, temperature, w_ce, w_kl)
 
 
-__all__ = ["ROUTES", "terms_and_grad", "torch_terms_and_grad"]
+__all__ = ["ROUTES", "forward_kl", "log_probs", "terms_and_grad", "torch_terms_and_grad"]
