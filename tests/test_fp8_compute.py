@@ -224,14 +224,14 @@ def test_fp8_compute_refuses_a_checkpoint_not_stored_in_fp8():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["auto", "triton"])
 @pytest.mark.parametrize(
     "m, k, n", [(1, 128, 128), (37, 200, 576), (64, 256, 576), (300, 7168, 1536), (4096, 2048, 7168)]
 )
-def test_fp8_linear_kernel_equals_its_emulation(m, k, n, route, monkeypatch):
+def test_fp8_linear_kernel_equals_its_emulation(m, k, n):
+    """torch's block-scaled GEMM, or where it refuses the shape (k = 200: not whole 128-blocks) the bf16 GEMM of
+    the dequantized operands: both within bf16 rounding of the float32 emulation."""
     from dsr1kit.model import fp8_kernels
 
-    monkeypatch.setattr(fp8_kernels, "dense_route", route)  # auto: torch's block-scaled GEMM where it runs
     g = torch.Generator(device="cuda").manual_seed(m + k + n)
     weight, scale = quantize_fp8_blocks(torch.randn(n, k, generator=g, device="cuda") * 0.02)
     x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)

@@ -1,24 +1,26 @@
-"""The kit's Triton kernels for block-scaled FP8 GEMMs (DeepSeek's e4m3 weights, 128×128 scales).
+"""Block-scaled FP8 GEMMs on a GPU (DeepSeek's e4m3 weights, 128×128 scales): torch's for the dense linears,
+the kit's Triton kernels for the routed experts.
 
-Why our own: the maintained block-scaled kernels (vLLM's, DeepGEMM,
-sgl-kernel) come inside packages built against one torch and CUDA, that a
-training environment would have to match; Triton ships with torch. Where
-torch's own ``scaled_mm`` takes 1×128 activation and 128×128 weight blocks
-(cuBLAS, about 1.8× this kernel on Hopper at the dense shapes, measured in
-``docs/benchmarks.md``), the dense linears take it (``dense_route``); it
-refuses the per-expert shapes, so the experts stay on the grouped kernel.
+The dense linears (``linear``) take torch's own ``scaled_mm`` with 1×128 activation and 128×128 weight
+blocks (cuBLAS, 1.6–1.9× the kit's former Triton GEMM at R1's dense shapes on Hopper, measured in
+``docs/benchmarks.md``). Where this torch or cuBLAS refuses a shape (a reduction that is not whole
+128-blocks, a torch without block-scaled ``scaled_mm``), the linear dequantizes the quantized input and the
+weight to bf16 and multiplies them there: the same activation rounding, a bf16 GEMM.
 
-Three kernels, all forward only:
+cuBLAS refuses the per-expert shapes, so the routed experts run the kit's Triton kernels. Why our own: the
+maintained block-scaled grouped kernels (vLLM's, DeepGEMM, sgl-kernel) come inside packages built against
+one torch and CUDA, that a training environment would have to match; Triton ships with torch. Three
+kernels, all forward only:
 
 - ``_quant`` quantizes activations per row and 128-column group (absmax/448);
 - ``_gemm`` multiplies e4m3 activations [M, K] by e4m3 weights [E, N, K] with
   float32 accumulation, applying the activation scale per row and the weight
   scale per 128-column block at each 128-wide step of K (one scalar per step
-  when the column tile is the 128-wide block). Grouped mode runs all
-  experts in one launch: rows are sorted by expert and each expert's segment
-  is padded to the row tile, so a tile belongs to one expert (``block_expert``);
-  the first GEMM gathers its rows from the tokens, the second scatters each
-  row, times its routing weight, to its (token, k) slot;
+  when the column tile is the 128-wide block). It runs all experts in one
+  launch: rows are sorted by expert and each expert's segment is padded to the
+  row tile, so a tile belongs to one expert (``block_expert``); the first GEMM
+  gathers its rows from the tokens, the second scatters each row, times its
+  routing weight, to its (token, k) slot;
 - ``_silu_mul_quant`` fuses SiLU(gate)·up with the quantization of the result.
 
 Every index and routing step is built on the GPU, without a host sync. Under
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .expert_tiles import expert_tiles
-from .fp8 import FP8_DTYPE, FP8_MAX
+from .fp8 import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_blocks
 
 GROUP = 128
 EPS = 1e-10
@@ -118,7 +120,7 @@ def _gemm(
     stride_bse,
     stride_bsn,
     stride_cm,
-    GROUPED: tl.constexpr,  # 0 dense; 1 grouped, rows gathered from tokens; 2 grouped, rows scattered to slots
+    GROUPED: tl.constexpr,  # 1: rows gathered from tokens; 2: rows scattered to their (token, k) slots
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -138,23 +140,17 @@ def _gemm(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
-    if GROUPED == 0:
-        b_base = B
-        bs_base = BS
-        row_ok = offs_m < M
-        a_row = offs_m
+    expert = tl.load(BLOCK_EXPERT + pid_m)
+    if expert < 0:
+        return
+    b_base = B + expert.to(tl.int64) * stride_be
+    bs_base = BS + expert.to(tl.int64) * stride_bse
+    slot = tl.load(ROWS + offs_m, mask=offs_m < M, other=-1)
+    row_ok = slot >= 0
+    if GROUPED == 1:
+        a_row = tl.where(row_ok, slot // TOP_K, 0)
     else:
-        expert = tl.load(BLOCK_EXPERT + pid_m)
-        if expert < 0:
-            return
-        b_base = B + expert.to(tl.int64) * stride_be
-        bs_base = BS + expert.to(tl.int64) * stride_bse
-        slot = tl.load(ROWS + offs_m, mask=offs_m < M, other=-1)
-        row_ok = slot >= 0
-        if GROUPED == 1:
-            a_row = tl.where(row_ok, slot // TOP_K, 0)
-        else:
-            a_row = offs_m
+        a_row = offs_m
     a_ptrs = A + a_row[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = AS + a_row.to(tl.int64) * stride_asm
@@ -185,13 +181,11 @@ def _gemm(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-# dense rows take any tile height; grouped rows come padded per expert to BLOCK_M_GROUPED
+# the rows come padded per expert to BLOCK_M_GROUPED
 if INTERPRETING:  # no autotuner without a GPU driver
     _INTERPRETED = {"BLOCK_N": 128, "GROUP_M": 8}
-    _gemm_dense = _gemm
     _gemm_grouped = _gemm
 else:
-    _gemm_dense = triton.autotune(configs=_configs((64, 128)), key=["N", "K"])(_gemm)
     _gemm_grouped = triton.autotune(configs=_configs((BLOCK_M_GROUPED,)), key=["N", "K", "GROUPED"])(_gemm)
 
 
@@ -212,18 +206,8 @@ def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
         raise ValueError("the FP8 GEMM needs contiguous e4m3 weights and float32 scales")
 
 
-DENSE_ROUTES = ("auto", "torch", "triton")
-dense_route = "auto"  # auto: torch's block-scaled scaled_mm where it takes the shape, else the kit's kernel
 # (device, N, K, M aligned) -> the scaled_mm layout that ran there, or None where none did
 _torch_variant: dict[tuple, object] = {}
-
-
-def set_dense_route(route: str) -> None:
-    """Which GEMM the dense FP8 linears take (benchmarks compare them side by side)."""
-    global dense_route
-    if route not in DENSE_ROUTES:
-        raise ValueError(f"dense_route {route!r}: valid are {', '.join(DENSE_ROUTES)}")
-    dense_route = route
 
 
 def _torch_blockwise(q, s, weight, scale_inv, out_dtype):
@@ -257,9 +241,20 @@ def _torch_blockwise(q, s, weight, scale_inv, out_dtype):
     return None
 
 
+def _dequantized_linear(q, s, weight, scale_inv, out_dtype):
+    """The quantized rows times the weight, both dequantized to bf16 (shapes cuBLAS's block-scaled GEMM
+    refuses): the activations rounded to e4m3 as in the FP8 GEMM, the products summed by a bf16 GEMM."""
+    rows = (q.to(torch.float32) * s.repeat_interleave(GROUP, dim=1)[:, : q.shape[1]]).to(torch.bfloat16)
+    w = dequantize_fp8_blocks(weight, scale_inv, DEFAULT_BLOCK, torch.bfloat16)
+    return (rows @ w.T).to(out_dtype)
+
+
 @torch.compiler.disable  # under torch.compile: a graph break, not a trace into Triton's autotuner
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for e4m3 ``weight`` [N, K] with ``scale_inv`` [ceil(N/128), ceil(K/128)]; x's dtype out."""
+    """``x @ W.T`` for e4m3 ``weight`` [N, K] with ``scale_inv`` [ceil(N/128), ceil(K/128)]; x's dtype out.
+
+    torch's block-scaled ``scaled_mm`` where it takes the shape, else the bf16 GEMM of the dequantized operands
+    (``_dequantized_linear``)."""
     _check_weight(weight, scale_inv)
     k = x.shape[-1]
     rows = x.reshape(-1, k)
@@ -267,24 +262,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> to
         rows = rows.contiguous()
     q, s = quantize(rows)
     n = weight.shape[0]
-    if dense_route != "triton" and rows.is_cuda and k % GROUP == 0:  # cuBLAS takes whole 128-blocks of K only
-        out = _torch_blockwise(q, s, weight, scale_inv, x.dtype)
-        if out is not None:
-            return out.view(*x.shape[:-1], n)
-        if dense_route == "torch":
-            raise RuntimeError(f"torch's block-scaled scaled_mm refused {rows.shape[0]}x{k} @ {k}x{n}")
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    launch(q, s, weight[None], scale_inv[None], out, rows.shape[0], n, k, grouped=0)
+    out = _torch_blockwise(q, s, weight, scale_inv, x.dtype) if k % GROUP == 0 else None  # whole 128-blocks
+    if out is None:
+        out = _dequantized_linear(q, s, weight, scale_inv, x.dtype)
     return out.view(*x.shape[:-1], n)
 
 
 def launch(
     a, a_s, b, b_s, c, m, n, k, grouped, rows=None, block_expert=None, route_w=None, top_k=1, config=None
 ):
-    """One launch of the block-scaled GEMM (the arguments as ``linear`` and ``experts`` pass them), autotuned;
-    ``config`` (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) runs that tile instead (tile sweeps)."""
-    dummy = a_s  # unused pointers in dense mode
-    kernel = _gemm_grouped if grouped else _gemm_dense
+    """One launch of the grouped block-scaled GEMM (the arguments as ``experts`` passes them; ``grouped``: 1
+    gathers rows from the tokens, 2 scatters them to their slots), autotuned; ``config`` (BLOCK_M, BLOCK_N,
+    GROUP_M, num_warps, num_stages) runs that tile instead (tile sweeps)."""
+    dummy = a_s  # the routing weights' pointer, unused by the first GEMM
+    kernel = _gemm_grouped
     fixed = {**_INTERPRETED, "BLOCK_M": BLOCK_M_GROUPED} if INTERPRETING else {}
     if config is not None:
         kernel, fixed = _gemm, dict(config)
@@ -388,4 +379,4 @@ def experts(
     return slots.view(tokens, top_k, h).sum(1)
 
 
-__all__ = ["EPS", "FP8_MAX", "available", "experts", "launch", "linear", "quantize", "set_dense_route"]
+__all__ = ["EPS", "FP8_MAX", "available", "experts", "launch", "linear", "quantize"]
