@@ -17,7 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from ..cluster.rendezvous import job_master_endpoint, process_ranks
-from ..cluster.rendezvous import stop_process_group as shutdown  # noqa: F401  (steps/hari_training.py calls it)
+from ..cluster.rendezvous import stop_process_group as shutdown  # noqa: F401  (the HARI run and its step call it)
 
 
 @dataclass
