@@ -11,7 +11,7 @@ from conftest import run_cli
 from dsr1kit import params
 from dsr1kit.plan import GIB, Machine, PlanError, hari_plan, inspect_plan, serve_plan
 from dsr1kit.plan.inventory import KNOWN_CONFIGS, bytes_per_param, inventory, resolve_config
-from dsr1kit.steps import adapter_inspection, hari_training, serve_configs
+from dsr1kit.steps import adapter_inspection, hari_configs, serve_configs
 
 R1 = Path("params/r1-671b-2x8h100")
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ def r1_inventory():
 
 def _hari(**overrides):
     p = params.load("notebooks/20_hari_training.ipynb", [R1 / "20_hari_training.yaml"], overrides)
-    return hari_training.plan_inputs(p)
+    return hari_configs.plan_inputs(p)
 
 
 def test_r1_config_resolves_offline_and_counts_671b(r1_inventory):
@@ -43,9 +43,9 @@ def test_plan_weights_equal_what_the_loader_holds(tiny_dir):
     from dsr1kit.model.load import load_model
 
     p = params.HariParams(model="tiny", quantization="none", dtype="float32", device_map="cpu")
-    loaded = load_model(hari_training.load_config(p))
+    loaded = load_model(hari_configs.load_config(p))
     held = sum(q.numel() * q.element_size() for q in loaded.model.parameters())
-    plan = hari_plan(hari_training.plan_inputs(p), Machine(0, 0.0, 64 * GIB))
+    plan = hari_plan(hari_configs.plan_inputs(p), Machine(0, 0.0, 64 * GIB))
     assert plan.devices[0].parts["weights"] == held
 
 

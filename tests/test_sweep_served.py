@@ -161,12 +161,15 @@ def test_replay_answers_come_from_the_server_and_a_rerun_serves_nothing(served_r
     def no_server(*args, **kwargs):
         raise AssertionError("a rerun of a measured sweep started a server")
 
-    monkeypatch.setattr(sweep, "base_server", no_server)
+    from dsr1kit.infer import serve_base
+    from dsr1kit.measure import sweep_served
+
+    monkeypatch.setattr(serve_base, "serve_base", no_server)  # the replay answers' server
+    monkeypatch.setattr(sweep_served, "serve_base", no_server)  # the measurements' server
     replay = next(pt for pt in sweep.points(p) if pt.family == "replay")
     assert measure_served(sweep.configure(p, run_dir)) == 0
-    again = sweep_run.run_point(
-        sweep.configure(p, run_dir), replay
-    )  # trained and measured: nothing is loaded or served again
+    config = sweep.configure(p, run_dir)
+    again = sweep_run.run_point(config, replay)  # trained and measured: nothing is loaded or served again
     assert [r.to_dict() for r in again] == [r.to_dict() for r in results]
 
 
