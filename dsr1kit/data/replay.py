@@ -32,9 +32,7 @@ class ReplayMismatch(ValueError):
 class ReplaySpec:
     """What the replay answers depend on (all recorded beside them)."""
 
-    base: (
-        str  # the base model's fingerprint (name and digest of its files: measure.sweep_run.base_fingerprint)
-    )
+    base: str  # the base's fingerprint: name and file digest (measure.sweep_run.base_fingerprint)
     prompts: str  # dataset plan of the A-style prompts (their answers, if any, are never read)
     held_out: tuple[str, ...]  # evaluation files whose questions are never replayed
     system_prompt: str
