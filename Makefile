@@ -15,7 +15,7 @@ DEBS    := slurm-wlm munge chromium chromium-driver
 VLLM_STAMP := $(VENV)/.vllm-installed
 PYTEST_ARGS ?=
 # Test files spread over this many processes (pytest-xdist, one file per worker so module fixtures are shared):
-# most of the suite waits on Slurm jobs, servers and kernels, so 2 workers on 2 cores take ~20 min instead of ~32.
+# most of the suite waits on Slurm jobs, servers and kernels, so 2 workers share 2 cores (37 min, 2,224 s, in CI's last run).
 TEST_WORKERS ?= 2
 LAB_ARGS ?=
 

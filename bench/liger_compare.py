@@ -3,6 +3,9 @@ residual-add RMSNorm.
 
     python -m bench.liger_compare --out liger_compare.json                   # one H100 / H200
     python -m bench.liger_compare --tokens 4096 --iters 3 --out /tmp/l.json  # a quick look
+    TRITON_INTERPRET=1 python -m bench.liger_compare --device cpu --tokens 32 --skip norm --out /tmp/l.json
+        # the loss's values and gradients at R1's widths on a CPU, untimed (Triton's interpreter runs the kernels;
+        # liger's JSD then projects bf16 logits, its GPU path float32 ones)
 
 liger-kernel is not one of the kit's requirements: install it where this runs (``pip install liger-kernel``).
 
@@ -116,7 +119,9 @@ def time_ways(ways: dict, warmup: int, iters: int) -> dict[str, float]:
 
 
 def with_peak(fn):
-    """(fn's result, GiB allocated at most during the call above what was allocated before it)."""
+    """(fn's result, GiB allocated at most during the call above what was allocated before it; None off CUDA)."""
+    if DEVICE != "cuda":
+        return fn(), None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -201,7 +206,7 @@ def liger_chunked_way():
         beta=0.0,
         ignore_index=IGNORE,
         temperature=T,
-        compiled=True,
+        compiled=DEVICE == "cuda",  # torch.compile, as liger's default, where the timing is taken
         chunk_size=CHUNK,
         return_soft_hard_loss=True,
     )
@@ -304,7 +309,7 @@ def case_rows(p: dict, case: str, regime: str, ways: dict, w32, warmup: int, ite
     ref = reference(p, w32)
     ms = (
         time_ways({name: (lambda f=f: f(p)) for name, f in ways.items()}, warmup, iters)
-        if regime == "near"
+        if regime == "near" and DEVICE == "cuda"
         else {}
     )
     rows = []
@@ -330,8 +335,12 @@ def case_rows(p: dict, case: str, regime: str, ways: dict, w32, warmup: int, ite
         if ms:
             row["kit_fused_ms_over_this"] = round(ms["kit fused"] / ms[name], 3)
         rows.append(row)
-        print_loss_row(row)
+        emit(row)
     return rows
+
+
+def fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
 
 
 def print_loss_row(r: dict) -> None:
@@ -342,7 +351,7 @@ def print_loss_row(r: dict) -> None:
     ms = "" if r["ms"] is None else f"{r['ms']:9.2f} ms  {r.get('kit_fused_ms_over_this', 0):5.3f}x"
     print(
         head,
-        f"{ms:>22}  {r['peak_gib']:6.2f} GiB  CE rel {r['ce_rel_diff']:.1e}  KL rel {r['kl_rel_diff']:.1e}"
+        f"{ms:>22}  {fmt(r['peak_gib'], '6.2f')} GiB  CE rel {r['ce_rel_diff']:.1e}  KL rel {r['kl_rel_diff']:.1e}"
         f" (fp32 logits {r['kl_rel_diff_vs_fp32_logits']:.1e})  grad max/max {r['grad_max_abs_diff_over_max']:.1e}"
         f"  grad rel {r['grad_rel_norm_diff']:.1e}  {'exact' if r['within_test_tolerance'] else 'OUTSIDE'}",
         flush=True,
@@ -418,7 +427,7 @@ def norm_forward_rows(x, r, forward: dict, warmup: int, iters: int) -> list[dict
             within_test_tolerance=worst(s, es) <= 2**-7 and worst(y, ey) <= NORM_TOL,
         )
         rows.append(row)
-        print_norm_row(row)
+        emit(row)
     return rows
 
 
@@ -454,7 +463,7 @@ def norm_backward_rows(x, r, gy, gs, ways: dict, warmup: int, iters: int) -> lis
             grad_bitwise_equal_share=float((gx == ex).float().mean()),
         )
         rows.append(row)
-        print_norm_row(row)
+        emit(row)
     return rows
 
 
@@ -474,6 +483,17 @@ def print_norm_row(r: dict) -> None:
     print(head + tail, flush=True)
 
 
+SINK: dict = {}  # main's record and output path: each row is written as soon as it is measured
+
+
+def emit(row: dict) -> None:
+    """Print a row and write the record with it (a run cut short keeps what it measured)."""
+    (print_loss_row if row["kernel"] == "vocab loss" else print_norm_row)(row)
+    if SINK:
+        SINK["record"]["rows"].append(row)
+        SINK["out"].write_text(json.dumps(SINK["record"], indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384", help="sequence lengths, comma-separated")
@@ -487,10 +507,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help="timed calls per way (the loss)")
     ap.add_argument("--norm-iters", type=int, default=50, help="timed calls per way (the norm)")
     ap.add_argument("--skip", default="", help="'loss' or 'norm' to leave one out")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu: the loss's exactness only, untimed")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this bench times GPU kernels: no CUDA device here")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this bench times GPU kernels: no CUDA device here (--device cpu: exactness only)")
+    if DEVICE != "cuda" and "norm" not in args.skip:
+        raise SystemExit("off CUDA only the loss is checked: pass --skip norm")
     import liger_kernel
     import transformers
     import triton
@@ -498,7 +523,7 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     far = tokens[0] if args.far_tokens is None else (args.far_tokens or None)
     record = dict(
-        device=torch.cuda.get_device_name(),
+        device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
         torch=torch.__version__,
         triton=triton.__version__,
         transformers=transformers.__version__,
@@ -519,13 +544,12 @@ def main() -> None:
         rows=[],
     )
     print(json.dumps({k: v for k, v in record.items() if k != "rows"}), flush=True)
-    out = Path(args.out)
-    if "norm" not in args.skip:  # the short part first; the file is written after each part
-        record["rows"] += norm_rows(tokens, args.warmup, args.norm_iters)
-        out.write_text(json.dumps(record, indent=1) + "\n")
+    SINK.update(record=record, out=Path(args.out))
+    SINK["out"].write_text(json.dumps(record, indent=1) + "\n")
+    if "norm" not in args.skip:  # the short part first
+        norm_rows(tokens, args.warmup, args.norm_iters)
     if "loss" not in args.skip:
-        record["rows"] += loss_rows(tokens, args.warmup, args.iters, far)
-        out.write_text(json.dumps(record, indent=1) + "\n")
+        loss_rows(tokens, args.warmup, args.iters, far)
 
 
 def _dist_version(name: str) -> str | None:
@@ -542,7 +566,7 @@ def _liger_impl(op: str) -> str | None:
     try:
         from liger_kernel.backends.dispatch import resolve_impl
 
-        return resolve_impl(op, device=torch.device("cuda")).impl_name
+        return resolve_impl(op, device=torch.device(DEVICE)).impl_name
     except Exception as e:  # an internal API: say so rather than fail the run
         return f"unknown ({type(e).__name__})"
 
