@@ -220,7 +220,22 @@ def liger_chunked_way():
     return run
 
 
-def reference(p: dict, w32: torch.Tensor) -> dict:
+W_BLOCK = 16384  # vocabulary rows of the lm_head upcast at a time for the reference's float32 GEMMs
+
+
+def mm_fp32(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """a @ wᵀ (transpose) or a @ w in float32, the bf16 weight upcast a block of rows at a time (no float32 copy
+    of the whole lm_head)."""
+    a = a.float()
+    if transpose:
+        return torch.cat([a @ w[v : v + W_BLOCK].float().t() for v in range(0, w.shape[0], W_BLOCK)], 1)
+    out = torch.zeros(a.shape[0], w.shape[1], device=a.device)
+    for v in range(0, w.shape[0], W_BLOCK):
+        out += a[:, v : v + W_BLOCK] @ w[v : v + W_BLOCK].float()
+    return out
+
+
+def reference(p: dict) -> dict:
     """The float32 computation of the same function (see the module's docstring), and the KL and CE of the
     logits left unrounded (a float32 GEMM output)."""
     prev = torch.backends.cuda.matmul.allow_tf32
@@ -234,10 +249,9 @@ def reference(p: dict, w32: torch.Tensor) -> dict:
         z, r = F.linear(x[s:e], w).float(), F.linear(xr[s:e], w).float()
         ce, kl, g = torch_terms_and_grad(z, r, tg, sel, T, p["w_ce"], p["w_kl"])
         del z, r
-        grad[s:e] = g @ w32
+        grad[s:e] = mm_fp32(g, w, transpose=False)
         del g
-        z32 = torch.mm(x[s:e].float(), w32.t())
-        r32 = torch.mm(xr[s:e].float(), w32.t())
+        z32, r32 = mm_fp32(x[s:e], w, transpose=True), mm_fp32(xr[s:e], w, transpose=True)
         ce32, kl32, _ = torch_terms_and_grad(z32, r32, tg, sel, T, p["w_ce"], p["w_kl"])
         del z32, r32, _
         sums += torch.stack([ce.sum(), kl.sum(), ce32.sum(), kl32.sum()]).double()
@@ -282,8 +296,14 @@ LOSS_WAYS = {  # case -> the ways that compute its loss
 
 def loss_rows(tokens_list: list[int], warmup: int, iters: int, far_tokens: int | None) -> list[dict]:
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    weight = (torch.randn(VOCAB, HIDDEN, generator=g, device=DEVICE) * W_STD).to(torch.bfloat16)
-    w32 = weight.float()
+    weight = torch.cat(  # drawn a block at a time: no float32 copy of the whole lm_head
+        [
+            (torch.randn(min(W_BLOCK, VOCAB - v), HIDDEN, generator=g, device=DEVICE) * W_STD).to(
+                torch.bfloat16
+            )
+            for v in range(0, VOCAB, W_BLOCK)
+        ]
+    )
     makers = {
         "kit fused": lambda: kit_way(fused_terms_and_grad),
         "kit torch": lambda: kit_way(torch_terms_and_grad),
@@ -298,15 +318,15 @@ def loss_rows(tokens_list: list[int], warmup: int, iters: int, far_tokens: int |
     for case, tokens, regime in runs:
         inputs = loss_inputs(tokens, weight, seed=tokens + (regime == "far"), near=regime == "near")
         ways_here = {n: ways[n] for n in LOSS_WAYS[case]}
-        rows += case_rows(positions(inputs, case), case, regime, ways_here, w32, warmup, iters)
+        rows += case_rows(positions(inputs, case), case, regime, ways_here, warmup, iters)
         del inputs
         torch.cuda.empty_cache()
     return rows
 
 
-def case_rows(p: dict, case: str, regime: str, ways: dict, w32, warmup: int, iters: int) -> list[dict]:
+def case_rows(p: dict, case: str, regime: str, ways: dict, warmup: int, iters: int) -> list[dict]:
     """One case's rows: each way timed (near reference only) and checked against the float32 computation."""
-    ref = reference(p, w32)
+    ref = reference(p)
     ms = (
         time_ways({name: (lambda f=f: f(p)) for name, f in ways.items()}, warmup, iters)
         if regime == "near" and DEVICE == "cuda"
