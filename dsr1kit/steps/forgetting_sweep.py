@@ -23,8 +23,6 @@ from ..measure.figures import comparison_figure, frontier_figure, kl_figure  # n
 from ..measure.frontier import cost_table, matched_table  # noqa: F401
 from ..measure.sweep import PointResult, lambda_table, results_table, summary, sweep_verdict  # noqa: F401
 from ..measure.sweep_run import Point, ReplayConfig, SweepConfig, lambda_points, mix_path  # noqa: F401
-from ..measure.sweep_run import plan_table as _plan_table
-from ..measure.sweep_served import run_missing as _run_missing
 from . import StepFailed, Verdict
 from .hari_configs import hari_run
 
@@ -126,14 +124,6 @@ def configure(p, run_dir: str | Path | None = None) -> SweepConfig:
         serve_as_lora=ip.adapter_mode == "lora",
         match_fractions=tuple(p.match_fractions),
     )
-
-
-def plan_table(p, run_dir: str | Path) -> list[dict[str, Any]]:
-    return _plan_table(configure(p, run_dir))
-
-
-def run_missing(p, run_dir: str | Path) -> list[PointResult]:
-    return _run_missing(configure(p, run_dir))
 
 
 @dataclass
