@@ -17,7 +17,6 @@ from pathlib import Path
 from ..data import replay
 from ..infer.serve_base import BaseServing
 from ..train.hari_run import HariRun
-from . import frontier
 from . import point as measure
 from .sweep import PointResult
 
@@ -74,7 +73,6 @@ class SweepConfig:
     replay: ReplayConfig | None  # None: no replay baseline
     serving: BaseServing | None  # how the base is served (measure_with: server, or served replay answers)
     serve_as_lora: bool  # serve the adapters as LoRA modules of one server (else a merged copy each)
-    match_fractions: tuple[float, ...]
 
 
 def point_dir(run_dir: str | Path, point: Point) -> Path:
@@ -327,7 +325,3 @@ def run_point(config: SweepConfig, point: Point) -> list[PointResult]:
 def lambda_points(results: list[PointResult]) -> list[PointResult]:
     """HARI's (λ, seed) points at the end of training: what the λ sweep's tables, figures and verdict read."""
     return [r for r in results if r.method == "hari" and r.final]
-
-
-def matched(config: SweepConfig, results: list[PointResult]) -> list[frontier.MatchedGain]:
-    return frontier.matched_gains(results, list(config.match_fractions))

@@ -122,7 +122,6 @@ def configure(p, run_dir: str | Path | None = None) -> SweepConfig:
         replay=replay,
         serving=base_serving(ip),
         serve_as_lora=ip.adapter_mode == "lora",
-        match_fractions=tuple(p.match_fractions),
     )
 
 
