@@ -169,18 +169,13 @@ def test_the_loaded_fp8_models_layers_run_the_lean_forward(r1_tiny_both, monkeyp
     assert calls == [True] * len(moe)  # the kernels where a GPU runs them, by default
 
 
-def _keep(store: dict, key):
-    def hook(_module, _inputs, output):
-        store[key] = output[0] if isinstance(output, tuple) else output
-
-    return hook
-
-
 def test_fp8_layers_match_the_dequantized_reference_layer_by_layer(r1_tiny_both):
-    """Each decoder layer, fed the reference's own input to it: its attention + MLP outputs, and the hidden
-    state it passes on, within 6% of the dequantized reference's: e4m3 activation rounding moves each GEMM's
-    output by ~2.6%, and a sublayer chains two or three GEMMs (√3 × 2.6% ≈ 4.5%). Measured here: 1.8–3.6%.
-    Above 0.5%, so the path did quantize."""
+    """Each decoder layer, fed the reference's own input to it: the hidden state it passes on, and each sublayer
+    (attention, then the MLP on the reference's own post-attention input) within 6% of the dequantized
+    reference's: e4m3 activation rounding moves each GEMM's output by ~2.6%, and a sublayer chains two or three
+    GEMMs (√3 × 2.6% ≈ 4.5%). Above 0.5%, so the path did quantize. Each sublayer gets the reference's input so
+    that a token whose top-k routing flips on a rounded input (the tiny model's router margins are small and
+    depend on its build) does not count as the FP8 GEMMs' error; the layer's output still includes it."""
     _, fp8, ref = r1_tiny_both
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, fp8.config.vocab_size, (2, 48), generator=g)
@@ -188,27 +183,21 @@ def test_fp8_layers_match_the_dequantized_reference_layer_by_layer(r1_tiny_both)
         states = ref(input_ids=ids, output_hidden_states=True).hidden_states
         pos = torch.arange(ids.shape[1])[None]
         rotary = ref.model.rotary_emb(states[0], pos)
+        mask = torch.full((48, 48), float("-inf")).triu(1)[None, None]
+        attn_kwargs = dict(attention_mask=mask, position_embeddings=rotary, position_ids=pos)
         errors = []
         for i, (layer_ref, layer_fp8) in enumerate(zip(ref.model.layers, fp8.model.layers)):
-            parts = {}
-            hooks = [
-                m.register_forward_hook(_keep(parts, (tag, part)))
-                for tag, layer in (("ref", layer_ref), ("fp8", layer_fp8))
-                for part, m in (("attn", layer.self_attn), ("mlp", layer.mlp))
-            ]
-            mask = torch.full((48, 48), float("-inf")).triu(1)[None, None]
-            out_ref = layer_ref(states[i], attention_mask=mask, position_embeddings=rotary, position_ids=pos)
-            out_fp8 = layer_fp8(states[i], attention_mask=mask, position_embeddings=rotary, position_ids=pos)
-            for h in hooks:
-                h.remove()
+            out_ref = layer_ref(states[i], **attn_kwargs)
+            out_fp8 = layer_fp8(states[i], **attn_kwargs)
             out_ref = out_ref[0] if isinstance(out_ref, tuple) else out_ref
             out_fp8 = out_fp8[0] if isinstance(out_fp8, tuple) else out_fp8
-            sub = _rel(
-                torch.cat([parts["fp8", "attn"], parts["fp8", "mlp"]], -1),
-                torch.cat([parts["ref", "attn"], parts["ref", "mlp"]], -1),
-            )
+            attn_in = layer_ref.input_layernorm(states[i])
+            attn_ref = layer_ref.self_attn(attn_in, **attn_kwargs)[0]
+            attn_fp8 = layer_fp8.self_attn(attn_in, **attn_kwargs)[0]
+            mlp_in = layer_ref.post_attention_layernorm(states[i] + attn_ref)
+            sub = max(_rel(attn_fp8, attn_ref), _rel(layer_fp8.mlp(mlp_in), layer_ref.mlp(mlp_in)))
             errors.append((i, round(_rel(out_fp8, out_ref), 4), round(sub, 4)))
-    print("layer, hidden-state error, sublayer error:", errors)
+    print("layer, hidden-state error, largest sublayer error:", errors)
     assert all(hidden < 0.06 and 0.005 < sub < 0.06 for _, hidden, sub in errors), errors
 
 
