@@ -104,13 +104,15 @@ def test_hle_answers_are_judged_by_the_served_model_and_the_numbers_recompute(cl
     assert hle["unreadable_judgments"] == len(judged_rows) - len(judged)
     assert judged, "no judgment closed: the served judge's JSON is bounded so that it does"
     assert hle["accuracy"] == pytest.approx(k / n)
-    assert hle["ci95_half_width"] == pytest.approx(1.959964 * (k / n * (1 - k / n) / n) ** 0.5)
+    assert hle["ci95_half_width"] == pytest.approx(1.96 * (k / n * (1 - k / n) / n) ** 0.5)
     conf = [min(100, max(0, j["confidence"])) / 100 for j in judged.values()]
     ok = [j["correct"] == "yes" for j in judged.values()]
-    assert hle["calibration_error"] == pytest.approx(
+    assert hle["calibration_error"] is None  # under 100 judged answers
+    assert "HLE's script fails" in hle["calibration_note"]
+    assert hle["calibration_error_all_bins"] == pytest.approx(
         abs(sum(conf) / len(conf) - sum(ok) / len(ok))
-    )  # one bin
-    assert hle["calibration_note"].startswith("one bin: only")
+    )  # the kit's variant: one bin
+    assert hle["calibration_all_bins_note"].startswith("one bin: only")
     accuracy = next(r for r in summary["accuracy"] if r["category"] == "all")
     assert accuracy["correct"] == k and accuracy["scored_on"] == "2 of 3"  # the image row is in N
     report = (run_dir / "report.html").read_text()

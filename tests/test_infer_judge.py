@@ -64,7 +64,7 @@ def _config(url: str, key_env: str = "") -> J.JudgeConfig:
     return J.JudgeConfig(url, "judge", key_env, concurrency=2, timeout_s=10, retries=0, max_tokens=64)
 
 
-def test_rms_calibration_error_equals_a_recomputation_by_hand():
+def test_the_kits_all_bins_calibration_error_equals_a_recomputation_by_hand():
     confidence = [(i % 10) / 10 for i in range(250)]
     correct = [i % 3 == 0 for i in range(250)]
     got, note = J.rms_calibration_error(confidence, correct)
@@ -81,6 +81,74 @@ def test_rms_calibration_error_equals_a_recomputation_by_hand():
         pytest.approx(0.0),
         ("one bin: only 10 judged answers (HLE bins by 100)"),
     )
+
+
+def _hle_script_calib_err(confidence, correct, beta=100):
+    """HLE's judge script's calib_err(p='2', beta=100), transcribed statement by statement (the reference)."""
+    import numpy as np
+
+    idxs = np.argsort(confidence)
+    confidence = confidence[idxs]
+    correct = correct[idxs]
+    bins = [[i * beta, (i + 1) * beta] for i in range(len(confidence) // beta)]
+    bins[-1] = [bins[-1][0], len(confidence)]
+    cerr = 0
+    total_examples = len(confidence)
+    for i in range(len(bins) - 1):
+        bin_confidence = confidence[bins[i][0] : bins[i][1]]
+        bin_correct = correct[bins[i][0] : bins[i][1]]
+        num_examples_in_bin = len(bin_confidence)
+        if num_examples_in_bin > 0:
+            difference = np.abs(np.nanmean(bin_confidence) - np.nanmean(bin_correct))
+            cerr += num_examples_in_bin / total_examples * np.square(difference)
+    return np.sqrt(cerr)
+
+
+@pytest.mark.parametrize("n", [250, 1000, 2500])
+def test_hles_calibration_error_is_its_scripts_to_1e9(n):
+    """Constructed judgments: integer confidences 0-100 with many ties (the script's argsort orders them) and
+    correctness that rises with confidence but not perfectly; the kit's number equals the script's."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    conf_int = rng.integers(0, 101, n)
+    correct = rng.random(n) < 0.2 + 0.6 * conf_int / 100
+    expected = float(_hle_script_calib_err(np.array(conf_int) / 100, np.array(correct)))
+    got, note = J.hle_calibration_error([c / 100 for c in conf_int.tolist()], correct.tolist())
+    assert abs(got - expected) <= 1e-9 and expected > 0.01
+    assert note == f"HLE's: {n // 100} bins of 100, the last ({100 + n % 100} most confident) left out"
+    kits, _ = J.rms_calibration_error([c / 100 for c in conf_int.tolist()], correct.tolist())
+    assert abs(kits - expected) > 1e-6  # the all-bins variant is another number
+
+
+def test_below_two_bins_hles_script_gives_no_calibration_error_and_the_note_says_what_it_does():
+    assert J.hle_calibration_error([0.5] * 150, [True] * 150) == (
+        None,
+        "none: 150 judged answers make one bin, the one HLE's script leaves out (it prints 0)",
+    )
+    assert J.hle_calibration_error([0.5] * 99, [True] * 99) == (
+        None,
+        "none: 99 judged answers, under one bin of 100 (HLE's script fails here)",
+    )
+    assert float(_hle_script_calib_err(*map(__import__("numpy").array, ([0.5] * 150, [True] * 150)))) == 0.0
+
+
+def test_hles_accuracy_divides_by_every_question_missing_and_unreadable_judgments_wrong():
+    prompts = _prompts(5)
+    answers = {p.id: {"text": f"Exact Answer: {p.gold}"} for p in prompts}
+    judgments = {"h0": J.Judgment("0", True, 80, ""), "h1": J.Judgment("1", True, 60, ""), "h2": None}
+    per_example, _ = ev.score(prompts, answers, judgments=judgments)  # h3, h4 never judged
+    metrics = J.hle_metrics(per_example, judgments)
+    assert (metrics["n"], metrics["correct"], metrics["judged"], metrics["unreadable_judgments"]) == (
+        5,
+        2,
+        2,
+        1,
+    )
+    assert metrics["accuracy"] == 2 / 5
+    assert metrics["ci95_half_width"] == 1.96 * math.sqrt(0.4 * 0.6 / 5)  # the script's 1.96
+    assert metrics["calibration_error"] is None and metrics["calibration_note"].startswith("none: 2 judged")
+    assert metrics["calibration_error_all_bins"] == pytest.approx(1 - 0.7)
 
 
 def test_a_judgment_must_hold_the_schemas_fields():
@@ -117,7 +185,8 @@ def test_a_refused_judgment_loses_nothing_and_a_rerun_judges_only_what_is_missin
     per_example, _ = ev.score(prompts, answers, judgments=judgments)
     metrics = J.hle_metrics(per_example, judgments)
     assert (metrics["n"], metrics["correct"], metrics["accuracy"]) == (6, 6, 1.0)
-    assert metrics["calibration_error"] == pytest.approx(0.3)  # confidence 70% on answers all right
+    assert metrics["calibration_error"] is None  # six answers: under one of HLE's bins
+    assert metrics["calibration_error_all_bins"] == pytest.approx(0.3)  # confidence 70% on answers all right
 
 
 def test_a_judge_that_wants_a_key_says_which_variable_was_read(stub, tmp_path, monkeypatch):

@@ -210,11 +210,12 @@ def read_judgments(path: str | Path) -> dict[str, Judgment | None]:
 
 
 def rms_calibration_error(confidence: list[float], correct: list[bool], bin_size: int = CALIBRATION_BIN):
-    """(RMS calibration error in [0, 1], note): answers sorted by confidence (0-1) into bins of ``bin_size``,
-    the last bin taking the remainder, each bin's |mean confidence - accuracy|² weighted by its share.
+    """The kit's all-bins variant: (RMS calibration error in [0, 1], note). Answers sorted by confidence (0-1)
+    into bins of ``bin_size``, the last bin taking the remainder, each bin's |mean confidence - accuracy|²
+    weighted by its share; every bin counts, and fewer than ``bin_size`` answers make one bin.
 
-    HLE's script leaves the last bin out of the sum (and cannot compute below one bin); here every answer
-    counts, and fewer than ``bin_size`` answers make one bin, which the note says."""
+    Not HLE's number (``hle_calibration_error`` is): it is shown beside it, labelled as the kit's, because HLE's
+    leaves the most confident answers out and has no value below two bins."""
     n = len(confidence)
     if n == 0:
         return float("nan"), "no judged answer"
@@ -232,20 +233,55 @@ def rms_calibration_error(confidence: list[float], correct: list[bool], bin_size
     return math.sqrt(total), note
 
 
-def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str, Any]:
-    """HLE's accuracy with its Wald 95% half-width and the RMS calibration error, over the judged rows.
+def hle_calibration_error(confidence: list[float], correct: list[bool], beta: int = CALIBRATION_BIN):
+    """(HLE's RMS calibration error, or None where its script gives none; note), computed as HLE's judge script
+    computes ``calib_err(confidence, correct, p='2', beta=100)``: the judged answers sorted by confidence (0-1)
+    with numpy's default argsort (ties in the integer confidences are ordered as the script orders them),
+    ``n // beta`` bins of ``beta`` with the last taking the remainder, and the sum over every bin *but the
+    last* (the most confident answers) of the bin's share × (mean confidence - accuracy)².
 
-    Every scored judged row counts in n; one without a judgment (its reasoning never closed, or the judge's
-    output did not parse) is wrong and carries no confidence."""
+    Below ``beta`` answers the script fails (it has no bin); below ``2 beta`` its only bin is the one it leaves
+    out and it prints 0. Neither is a calibration error, so both are None with the note saying which."""
+    import numpy as np
+
+    conf = np.asarray(confidence, dtype=float)
+    ok = np.asarray(correct, dtype=bool)
+    n = len(conf)
+    if n < beta:
+        return None, f"none: {n} judged answers, under one bin of {beta} (HLE's script fails here)"
+    if n < 2 * beta:
+        return None, f"none: {n} judged answers make one bin, the one HLE's script leaves out (it prints 0)"
+    order = np.argsort(conf)
+    conf, ok = conf[order], ok[order]
+    bins = [[i * beta, (i + 1) * beta] for i in range(n // beta)]
+    bins[-1][1] = n
+    total = 0.0
+    for lo, hi in bins[:-1]:
+        total += (hi - lo) / n * float(np.square(np.abs(np.nanmean(conf[lo:hi]) - np.nanmean(ok[lo:hi]))))
+    last = bins[-1][1] - bins[-1][0]
+    note = f"HLE's: {len(bins)} bins of {beta}, the last ({last} most confident) left out"
+    return float(np.sqrt(total)), note
+
+
+HLE_Z = 1.96  # HLE's script's Wald interval
+
+
+def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str, Any]:
+    """HLE's numbers as its judge script computes them: accuracy over every judged-kind question of the run
+    (one without a judgment — its reasoning never closed, the judge's output did not parse, or it was never
+    judged — is wrong, as the script divides by the total), its Wald 95% half-width ``1.96·sqrt(p(1-p)/n)``,
+    and its calibration error over the readable judgments; beside them the kit's all-bins variant."""
     rows = per_example[per_example["kind"] == JUDGED]
     n = len(rows)
     judged = [judgments.get(i) for i in rows["id"]]
     correct = [bool(c) for c in rows["correct"]]
     k = sum(correct)
     acc = k / n if n else float("nan")
-    half = 1.959964 * math.sqrt(acc * (1 - acc) / n) if n else float("nan")
+    half = HLE_Z * math.sqrt(acc * (1 - acc) / n) if n else float("nan")
     pairs = [(j.confidence / 100, j.correct) for j in judged if j is not None]
-    calib, note = rms_calibration_error([c for c, _ in pairs], [ok for _, ok in pairs])
+    confidence, judged_correct = [c for c, _ in pairs], [ok for _, ok in pairs]
+    calib, note = hle_calibration_error(confidence, judged_correct)
+    all_bins, all_bins_note = rms_calibration_error(confidence, judged_correct)
     return {
         "n": n,
         "judged": len(pairs),
@@ -254,5 +290,7 @@ def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str,
         "ci95_half_width": half,
         "calibration_error": calib,
         "calibration_note": note,
+        "calibration_error_all_bins": all_bins,
+        "calibration_all_bins_note": all_bins_note,
         "unreadable_judgments": sum(1 for i in rows["id"] if i in judgments and judgments[i] is None),
     }

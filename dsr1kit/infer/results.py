@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import evaluate, harness, judge
+from . import evaluate, harness, judge, paired
 from .client import read_answers
 
 
@@ -157,8 +157,16 @@ def throughput_table(stats) -> dict[str, str]:
     }
 
 
-def comparison_frame(tables, examples):
-    """Per category: base vs adapter accuracy, the difference, and how many answers changed."""
+def paired_comparison(examples):
+    """Base vs adapter on the questions both answered (``paired.compare_models``), or None without both."""
+    if "base" not in examples or "adapter" not in examples:
+        return None
+    return paired.compare_models(examples["base"], examples["adapter"])
+
+
+def comparison_frame(tables, examples, comparison):
+    """Per category: base vs adapter accuracy, how many answers changed, and the paired verdict (the paired
+    difference, its 95% interval, the smallest detectable difference and what it says)."""
     import pandas as pd
 
     base, adapted = tables["base"].set_index("category"), tables["adapter"].set_index("category")
@@ -166,21 +174,27 @@ def comparison_frame(tables, examples):
         examples["base"].set_index("id")["prediction"] != examples["adapter"].set_index("id")["prediction"]
     )
     by_cat = examples["base"].set_index("id")["category"]
+    by_scope = {c.scope: c for c in comparison}
     rows = []
     for cat in base.index:
         ids = by_cat.index if cat == "all" else by_cat.index[by_cat == cat]
+        pair = by_scope.get(cat)
         rows.append(
             {
                 "category": cat,
                 "base": base.loc[cat, "accuracy"],
                 "adapter": adapted.loc[cat, "accuracy"],
-                "delta": adapted.loc[cat, "accuracy"] - base.loc[cat, "accuracy"],
                 "answers_changed": int(changed.loc[ids].sum()),
+                "paired_difference": pair.difference if pair else float("nan"),
+                "paired_ci95": f"[{pair.ci95_low:+.1%}, {pair.ci95_high:+.1%}]" if pair else "",
+                "detectable": pair.detectable if pair else float("nan"),
+                "verdict": pair.verdict if pair else "",
+                "paired_on": pair.questions if pair else 0,
                 "scored_on": base.loc[cat, "scored_on"],
             }
         )
-    styled = pd.DataFrame(rows).style.format({"base": "{:.1%}", "adapter": "{:.1%}", "delta": "{:+.1%}"})
-    return styled.hide(axis="index")
+    formats = {"base": "{:.1%}", "adapter": "{:.1%}", "paired_difference": "{:+.1%}", "detectable": "±{:.1%}"}
+    return pd.DataFrame(rows).style.format(formats).hide(axis="index")
 
 
 def latency_figure(stats):
@@ -198,11 +212,17 @@ def latency_figure(stats):
 
 
 def judge_table(frame):
-    """judge_frame styled for the report: percentages, no index."""
+    """judge_frame styled for the report: percentages, no index; HLE's calibration error where its script
+    gives one (else the note says why not), the kit's all-bins variant beside it under its own name."""
+
+    def percent(c):
+        return "—" if c is None or c != c else f"{c:.1%}"
+
     shown = frame.assign(
         accuracy=frame["accuracy"].map(lambda a: f"{a:.1%}"),
         ci95=frame["ci95_half_width"].map(lambda h: f"± {h:.1%}"),
-        calibration_error=frame["calibration_error"].map(lambda c: f"{c:.1%}"),
+        calibration_error=frame["calibration_error"].map(percent),
+        kits_all_bins=frame["calibration_error_all_bins"].map(percent),
     )
     cols = [
         "model",
@@ -210,6 +230,7 @@ def judge_table(frame):
         "ci95",
         "calibration_error",
         "calibration_note",
+        "kits_all_bins",
         "n",
         "judged",
         "correct",
