@@ -46,6 +46,12 @@ def test_notebook_10_runs_end_to_end_with_a_merged_adapter(cli, tiny_dir, tmp_pa
     base, merged = (read_answers(run_dir / "answers" / f"{k}.jsonl") for k in ("base", "adapter"))
     assert len(base) == len(merged) == 16
     assert [base[i]["text"] for i in base] != [merged[i]["text"] for i in base]  # the merge changed the model
+    overall = summary["paired"][0]  # base vs adapter, paired on the 16 questions both answered
+    tables = {r["model"]: r for r in summary["accuracy"] if r["category"] == "all"}
+    assert overall["scope"] == "all" and overall["questions"] == 16
+    assert overall["difference"] == pytest.approx(tables["adapter"]["accuracy"] - tables["base"]["accuracy"])
+    assert f"paired: {overall['verdict']}" in summary["headline"]
+    assert any(line.startswith(f"all: {overall['verdict']}") for line in summary["verdict_lines"])
     assert json.loads((run_dir / "merged" / "config.json").read_text())["topk_method"] == "noaux_tc"
     assert (run_dir / "figures" / "latency.png").is_file() and (run_dir / "report.html").is_file()
     assert (run_dir / "logs" / "server-base.log").is_file() and (

@@ -121,6 +121,7 @@ class EvalResult:
 
     tables: dict[str, Any]  # label -> evaluate.score's accuracy table
     parity: Any = None  # adapters.ParityResult, or None: no adapter or no check
+    paired: list | None = None  # paired.PairedDifference per scope ("all" first), or None: no adapter
 
 
 def verdict(result: EvalResult) -> Verdict:
@@ -134,8 +135,13 @@ def verdict(result: EvalResult) -> Verdict:
         for label, r in ((label, t.iloc[0]) for label, t in tables.items())
     ]
     lines += category_changes(tables)
+    lines += [c.line() for c in result.paired or []]
     status = OK
     if parity is not None:
         lines += parity.lines()
         status = FAIL if parity.verdict == "no-effect" else (OK if parity.status == "pass" else WARN)
-    return Verdict(status, headline(tables) if tables else "nothing was scored", lines, AdapterHasNoEffect)
+    head = headline(tables) if tables else "nothing was scored"
+    if result.paired and result.paired[0].questions:
+        overall = result.paired[0]
+        head += f"; paired: {overall.verdict} ({100 * overall.difference:+.1f} points)"
+    return Verdict(status, head, lines, AdapterHasNoEffect)
