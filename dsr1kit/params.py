@@ -299,6 +299,9 @@ class InferenceParams(NotebookParams):
     system_prompt: str = Field("You are DeepSeek-R1.", description="Same system prompt as training")
     max_new_tokens: int = Field(48, ge=1, description="Generated tokens per answer")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (R1: 0.95); 1: off")
+    samples_per_question: int = Field(1, ge=1, description="k answers per question (own request, own seed)")
+    sample_seed: int = Field(0, ge=0, description="Sample j is asked with seed sample_seed + j")
     concurrency: int = Field(
         0,
         ge=0,
@@ -370,6 +373,15 @@ class InferenceParams(NotebookParams):
     def _judge_endpoint_needs_a_model(self):
         if self.judge_url not in ("", "served") and not self.judge_model:
             raise ValueError(f"judge_url {self.judge_url!r} needs judge_model (the model name it serves)")
+        return self
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self):
+        if self.samples_per_question > 1 and self.temperature == 0:
+            raise ValueError(
+                f"samples_per_question {self.samples_per_question} at temperature 0 asks the same greedy answer "
+                f"{self.samples_per_question} times: set temperature (R1: 0.6, top_p 0.95) or samples_per_question: 1"
+            )
         return self
 
     @property

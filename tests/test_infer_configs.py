@@ -49,6 +49,9 @@ def test_the_step_builds_the_configs_from_the_parameters():
         server_env={"A": "b"},
         max_new_tokens=7,
         temperature=0.5,
+        top_p=0.95,
+        samples_per_question=4,
+        sample_seed=11,
         request_timeout_s=9,
     )
     settings = serve_settings(p)
@@ -81,6 +84,9 @@ def test_the_step_builds_the_configs_from_the_parameters():
         temperature=0.5,
         key_env="VLLM_API_KEY",
         chat=False,
+        top_p=0.95,
+        samples=4,
+        seed=11,
     )
     assert client_config(p) == expected  # concurrency 0: 2 x max_num_seqs x data_parallel_size
     server = vllm_server(settings, "/runs/r", "/m", name="server-base")

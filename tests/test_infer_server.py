@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
-import threading
 import time
+from collections import Counter
+from statistics import stdev
 
 import pytest
 from infer_support import assert_no_server_left, cpu_params
@@ -90,40 +93,53 @@ def test_log_tail_puts_the_first_exception_above_the_last_lines(tmp_path):
     assert log_tail(log, lines=10) == "\n".join(lines[-5:])
 
 
-def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_rest(
+def test_server_killed_mid_evaluation_keeps_answers_and_a_rerun_asks_only_the_missing_samples(
     tiny_dir, tmp_path, prompts
 ):
-    p = cpu_params(max_new_tokens=32, concurrency=4)
+    """k = 4 samples per question at T = 0.8: the server is killed as the 12th answer is written (from the
+    client's own callback, so the evaluation cannot finish first); a rerun on a new server asks only the
+    (question, sample) pairs not answered, each answered once, and pass@1 with its interval equals a
+    recomputation from the answers file."""
+    k, questions = 4, prompts[:24]
+    p = cpu_params(max_new_tokens=32, concurrency=4, temperature=0.8, top_p=0.95, samples_per_question=k)
     client = client_config(p)
     out = ev.results_path(tmp_path, "base")
     first = vllm_server(serve_settings(p), tmp_path, str(tiny_dir), name="first")
-    with first:
-        assert first.phases["first_completion_s"] >= first.phases["health_s"] > 0
+    written = []
 
-        def kill_after_some_answers():
-            while len(read_answers(out)) < 12:
-                time.sleep(0.05)
+    def kill_at_the_12th(row):
+        written.append(row)
+        if len(written) == 12:
             os.killpg(first.pid, signal.SIGKILL)
 
-        killer = threading.Thread(target=kill_after_some_answers, daemon=True)
-        killer.start()
+    with first:
+        assert first.phases["first_completion_s"] >= first.phases["health_s"] > 0
         with pytest.raises(ClientError, match="answers kept in .*rerun to ask only the other"):
-            ev.run_eval(first.base_url, p.served_model_name, prompts, out, client, progress=False)
-        killer.join(5)
+            ev.run_eval(first.base_url, p.served_model_name, questions, out, client, False, kill_at_the_12th)
     kept = read_answers(out)
-    assert 12 <= len(kept) < len(prompts)
+    assert 12 <= len(kept) < k * len(questions)
     assert_no_server_left()
 
     with vllm_server(serve_settings(p), tmp_path, str(tiny_dir), name="second") as second:
-        stats = ev.run_eval(second.base_url, p.served_model_name, prompts, out, client, progress=False)
+        stats = ev.run_eval(second.base_url, p.served_model_name, questions, out, client, progress=False)
     assert stats.skipped == len(kept)
-    assert not set(stats.requested) & set(kept)  # answered ids are never asked again
-    assert len(stats.requested) == len(prompts) - len(kept)
+    assert not set(stats.requested) & set(kept)  # answered samples are never asked again
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    answered = Counter(r["id"] for r in rows if not r.get("error"))
+    expected = {f"{q.id}#{j}" for q in questions for j in range(k)}
+    assert set(answered) == expected and set(answered.values()) == {1}  # every (id, sample) once
     answers = read_answers(out)
-    assert set(answers) == {pr.id for pr in prompts}
-    assert all(
-        a["completion_tokens"] > 0 and "error" not in a for a in answers.values()
-    )  # the server answers
-    assert sum(bool(a["text"]) for a in answers.values()) > len(answers) / 2  # (a few greedy answers are EOS)
+    assert all(a["seed"] == a["sample"] == int(i.split("#")[1]) for i, a in answers.items())  # its own seed
+    assert all(a["completion_tokens"] > 0 for a in answers.values())  # the server answers
+    texts = {q.id: {answers[f"{q.id}#{j}"]["text"] for j in range(k)} for q in questions}
+    assert any(len(t) > 1 for t in texts.values())  # sampled: a question's samples differ
+
+    _, table = ev.score(questions, answers, samples=k)
+    fractions = [sum(ev.is_correct(q, answers[f"{q.id}#{j}"])[0] for j in range(k)) / k for q in questions]
+    mean, half = sum(fractions) / len(fractions), 1.959964 * stdev(fractions) / math.sqrt(len(fractions))
+    overall = table.iloc[0]
+    assert overall["accuracy"] == pytest.approx(mean) and overall["scored_on"] == f"24 of 24 × {k} samples"
+    assert overall["ci95_low"] == pytest.approx(max(0.0, mean - half))
+    assert overall["ci95_high"] == pytest.approx(min(1.0, mean + half))
     assert stats.tokens_per_s > 0 and stats.percentiles()["p50"] > 0
     assert_no_server_left()

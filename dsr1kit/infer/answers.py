@@ -191,3 +191,9 @@ def read_response(tail: str | None, n_options: int = 0, options: list[str] = ())
     if lines and (value := read(lines[-1])) is not None:
         return Parsed(value, "last line")
     return Parsed(None, UNPARSEABLE)
+
+
+def sample_id(question_id: str, sample: int, samples: int) -> str:
+    """The answers file's key of a question's sample: the question's id with one sample (so a file written
+    before sampling existed resumes as it was), ``id#j`` with several."""
+    return question_id if samples == 1 else f"{question_id}#{sample}"

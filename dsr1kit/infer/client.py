@@ -51,6 +51,9 @@ class ClientConfig:
     temperature: float  # 0: greedy
     key_env: str  # the environment variable holding the server's key ('' for none); never the key
     chat: bool  # ask /v1/chat/completions with messages (a reasoning parser applies), else token ids
+    top_p: float  # nucleus sampling (sent only below 1)
+    samples: int  # k answers per question, each its own request
+    seed: int  # sample j is asked with seed + j (sent only when sampling)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Request:
     record: dict = field(
         default_factory=dict
     )  # kept beside the answer (e.g. the order options were asked in)
+    params: dict = field(default_factory=dict)  # this request's own sampling fields (its seed)
 
 
 @dataclass
@@ -212,6 +216,7 @@ class CompletionClient:
                 "max_tokens": max_tokens,
                 "temperature": temperature,
                 **(extra or {}),
+                **req.params,
                 **({"return_token_ids": True} if self.think_ids else {}),
             }
             async with sem:

@@ -28,7 +28,7 @@ from ..data.chat import to_messages
 from ..data.render import opens_reasoning, served_prompt, think_token_ids
 from ..run.paths import resolve
 from .answers import TRUNCATED as UNPARSEABLE_TRUNCATED
-from .answers import UNPARSEABLE, normalize, parse_row, ran_out_thinking, thinking_of
+from .answers import UNPARSEABLE, normalize, parse_row, ran_out_thinking, sample_id, thinking_of
 from .client import ClientConfig, CompletionClient, Request, read_answers
 
 Z95 = 1.959964
@@ -225,6 +225,27 @@ def is_correct(prompt: Prompt, answer: str | dict) -> tuple[bool, str, str]:
     return ok, parsed.value, rule
 
 
+def sample_requests(prompts: list[Prompt], client: ClientConfig) -> list[Request]:
+    """k requests per question (k = ``client.samples``), sample j with its own seed ``client.seed + j``
+    (recorded beside its answer) whenever the client samples; each is keyed by ``sample_id``."""
+    sampling = client.temperature > 0
+    requests = []
+    for p in prompts:
+        for j in range(client.samples):
+            req = p.request(client.chat)
+            req.id = sample_id(p.id, j, client.samples)
+            if client.samples > 1:
+                req.record = {**req.record, "question": p.id, "sample": j}
+            if sampling:
+                req.params = {
+                    "seed": client.seed + j,
+                    **({"top_p": client.top_p} if client.top_p < 1 else {}),
+                }
+                req.record = {**req.record, "seed": client.seed + j}
+            requests.append(req)
+    return requests
+
+
 def _judged(judgments: dict[str, Any], prompt_id: str) -> tuple[bool, str, str]:
     if prompt_id not in judgments:
         return False, "", "not judged"
@@ -253,61 +274,107 @@ def score(
     answers: dict[str, dict],
     total_by_category: dict[str, int] | None = None,
     judgments: dict[str, Any] | None = None,
+    samples: int = 1,
 ):
-    """Per-example DataFrame and a per-category accuracy table (with 'all') carrying n of N and the 95% CI.
+    """Per-sample DataFrame (one row per question and sample) and a per-category accuracy table (with 'all')
+    carrying n of N and the 95% CI.
 
-    ``total_by_category`` is N, every row asked for; rows with no answer count as wrong. ``judgments``
-    (id → ``judge.Judgment``, None where the judge's output did not parse) decide the judged rows.
+    ``total_by_category`` is N, every row asked for; samples with no answer count as wrong. ``judgments``
+    (sample id → ``judge.Judgment``, None where the judge's output did not parse) decide the judged rows.
+    With k = ``samples`` > 1 the accuracy is pass@1: the mean over questions of the fraction of a question's
+    k samples that are correct, with the normal 95% interval of those per-question means (the question is
+    the unit: k samples of one question are not k questions), and cons@k (the majority answer's
+    correctness) where answers are choices or math.
     """
     import pandas as pd
 
     rows = []
     for p in prompts:
-        ans = answers.get(p.id) or {}
-        ok, pred, rule = is_correct(p, ans) if ans else (False, "", "no answer")
-        if ans and p.kind == JUDGED and judgments is not None and not rule.startswith(UNPARSEABLE_TRUNCATED):
-            ok, pred, rule = _judged(judgments, p.id)
-        rows.append(
-            {
-                "id": p.id,
-                "kind": p.kind,
-                "category": p.category,
-                "gold": ", ".join(p.gold) if isinstance(p.gold, list) else p.gold,
-                "prediction": pred,
-                "correct": ok,
-                "rule": rule,
-                "answered": bool(ans) and not ans.get("error"),
-                "ran_out_thinking": bool(ans) and ran_out_thinking(ans, p.reasoning_open),
-                "text": ans.get("text", ""),
-                "thinking": thinking_of(ans, p.reasoning_open) if ans else "",
-                "prompt_tokens": len(p.token_ids),
-                "served_prompt_tokens": ans.get("prompt_tokens", 0),
-            }
-        )
-    columns = ["id", "kind", "category", "gold", "prediction", "correct", "rule", "answered"]
+        for j in range(samples):
+            key = sample_id(p.id, j, samples)
+            ans = answers.get(key) or {}
+            ok, pred, rule = is_correct(p, ans) if ans else (False, "", "no answer")
+            judged = p.kind == JUDGED and judgments is not None
+            if ans and judged and not rule.startswith(UNPARSEABLE_TRUNCATED):
+                ok, pred, rule = _judged(judgments, key)
+            rows.append(
+                {
+                    "id": p.id,
+                    "sample": j,
+                    "kind": p.kind,
+                    "category": p.category,
+                    "gold": ", ".join(p.gold) if isinstance(p.gold, list) else p.gold,
+                    "prediction": pred,
+                    "correct": ok,
+                    "rule": rule,
+                    "answered": bool(ans) and not ans.get("error"),
+                    "ran_out_thinking": bool(ans) and ran_out_thinking(ans, p.reasoning_open),
+                    "text": ans.get("text", ""),
+                    "thinking": thinking_of(ans, p.reasoning_open) if ans else "",
+                    "prompt_tokens": len(p.token_ids),
+                    "served_prompt_tokens": ans.get("prompt_tokens", 0),
+                }
+            )
+    columns = ["id", "sample", "kind", "category", "gold", "prediction", "correct", "rule", "answered"]
     columns += ["ran_out_thinking", "text", "thinking", "prompt_tokens", "served_prompt_tokens"]
     per_example = pd.DataFrame(rows, columns=columns)
-    totals = dict(total_by_category or per_example.groupby("category").size().to_dict())
+    questions = per_example[per_example["sample"] == 0]
+    totals = dict(total_by_category or questions.groupby("category").size().to_dict())
     table = []
     groups = [("all", per_example)] + sorted(per_example.groupby("category"), key=lambda g: g[0])
     for name, df in groups:
-        n, k = len(df), int(df["correct"].sum())
+        n, k = df["id"].nunique(), int(df["correct"].sum())
         big_n = sum(totals.values()) if name == "all" else totals.get(name, n)
-        lo, hi = wilson(k, n)
-        table.append(
-            {
-                "category": name,
-                "accuracy": k / n if n else float("nan"),
-                "ci95_low": lo,
-                "ci95_high": hi,
-                "correct": k,
-                "ran_out_thinking": int(df["ran_out_thinking"].sum()),
-                "n": n,
-                "N": big_n,
-                "scored_on": f"{n} of {big_n}",
-            }
-        )
+        accuracy, (lo, hi) = pass_at_1(df, samples)
+        row = {
+            "category": name,
+            "accuracy": accuracy,
+            "ci95_low": lo,
+            "ci95_high": hi,
+            "correct": k,
+            "ran_out_thinking": int(df["ran_out_thinking"].sum()),
+            "n": n,
+            "N": big_n,
+            "scored_on": f"{n} of {big_n}" + (f" × {samples} samples" if samples > 1 else ""),
+        }
+        if samples > 1:
+            row.update(samples=samples, cons_at_k=consensus(df))
+        table.append(row)
     return per_example, pd.DataFrame(table)
+
+
+def pass_at_1(per_sample, samples: int) -> tuple[float, tuple[float, float]]:
+    """(pass@1, its 95% interval) over the questions of ``per_sample``: with one sample, the accuracy and its
+    Wilson interval; with k, the mean of the per-question fractions correct and the normal interval of that
+    mean (clipped to [0, 1]; a single question has none)."""
+    n = per_sample["id"].nunique()
+    if n == 0:
+        return float("nan"), (float("nan"), float("nan"))
+    if samples == 1:
+        k = int(per_sample["correct"].sum())
+        return k / n, wilson(k, n)
+    per_question = per_sample.groupby("id", sort=False)["correct"].mean()
+    mean = float(per_question.mean())
+    if n < 2:
+        return mean, (float("nan"), float("nan"))
+    half = Z95 * float(per_question.std(ddof=1)) / math.sqrt(n)
+    return mean, (max(0.0, mean - half), min(1.0, mean + half))
+
+
+def consensus(per_sample) -> float:
+    """cons@k: the fraction of questions whose most common answer among their k samples is correct (ties to
+    the answer seen first; unread answers do not vote); NaN where no question is a choice or math one."""
+    votable = per_sample[per_sample["kind"].isin([CHOICE, MATH])]
+    if votable.empty:
+        return float("nan")
+    right = 0
+    for _, df in votable.groupby("id", sort=False):
+        read = df[df["prediction"] != ""]
+        if read.empty:
+            continue
+        top = Counter(read["prediction"]).most_common(1)[0][0]
+        right += bool(read[read["prediction"] == top]["correct"].iloc[0])
+    return right / votable["id"].nunique()
 
 
 def rule_counts(per_example) -> dict[str, int]:
@@ -331,11 +398,14 @@ def run_eval(
     out_path: str | Path,
     client: ClientConfig,
     progress: bool = True,
+    on_result=None,
 ):
-    """Ask the server for every prompt not yet answered in out_path (tqdm progress); return the client Stats."""
+    """Ask the server for every (question, sample) not yet answered in out_path (tqdm progress; ``on_result``
+    also sees each answer row as it is written); return the client Stats."""
     from tqdm import tqdm
 
-    ids = {pr.id for pr in prompts}
+    requests = sample_requests(prompts, client)
+    ids = {r.id for r in requests}
     already = len(ids & set(read_answers(out_path)))
     http = CompletionClient(
         base_url,
@@ -348,12 +418,14 @@ def run_eval(
         think_ids=prompts[0].think_ids if prompts else None,
     )
     with tqdm(
-        total=len(prompts), initial=already, desc=model_name, mininterval=1.0, disable=not progress
+        total=len(requests), initial=already, desc=model_name, mininterval=1.0, disable=not progress
     ) as bar:
+
+        def each(row):
+            bar.update(1)
+            if on_result:
+                on_result(row)
+
         return http.complete(
-            [pr.request(client.chat) for pr in prompts],
-            out_path,
-            max_tokens=client.max_tokens,
-            temperature=client.temperature,
-            on_result=lambda _row: bar.update(1),
+            requests, out_path, max_tokens=client.max_tokens, temperature=client.temperature, on_result=each
         )

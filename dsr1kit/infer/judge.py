@@ -19,7 +19,7 @@ from typing import Any
 
 from ..benchmarks import JUDGED
 from . import auth
-from .answers import response_of
+from .answers import response_of, sample_id
 from .client import CompletionClient, Request, Stats, read_answers
 
 # HLE's judge prompt, as its judge script sends it.
@@ -141,28 +141,37 @@ def judgments_path(run_dir: str | Path, label: str) -> Path:
     return Path(run_dir) / "judgments" / f"{label}.jsonl"
 
 
-def requests_for(prompts, answers: dict[str, dict]) -> list[Request]:
-    """One judge request per judged prompt that has an answer whose reasoning closed."""
+def requests_for(prompts, answers: dict[str, dict], samples: int = 1) -> list[Request]:
+    """One judge request per sample of a judged prompt that has an answer whose reasoning closed, keyed as
+    the answer is (``answers.sample_id``): the judge sees every sample."""
     out = []
     for p in prompts:
-        answer = answers.get(p.id)
-        if p.kind != JUDGED or not answer:
-            continue
-        response = response_of(answer, p.reasoning_open)
-        if response is None:
-            continue
-        prompt = JUDGE_PROMPT.format(question=p.question, response=response.strip(), correct_answer=p.gold)
-        out.append(Request(p.id, [{"role": "user", "content": prompt}]))
+        for j in range(samples if p.kind == JUDGED else 0):
+            key = sample_id(p.id, j, samples)
+            answer = answers.get(key)
+            response = response_of(answer, p.reasoning_open) if answer else None
+            if response is None:
+                continue
+            prompt = JUDGE_PROMPT.format(
+                question=p.question, response=response.strip(), correct_answer=p.gold
+            )
+            out.append(Request(key, [{"role": "user", "content": prompt}]))
     return out
 
 
 def judge(
-    prompts, answers: dict[str, dict], out_path: str | Path, config: JudgeConfig, progress=True
+    prompts,
+    answers: dict[str, dict],
+    out_path: str | Path,
+    config: JudgeConfig,
+    samples: int = 1,
+    progress=True,
 ) -> Stats:
-    """Ask the judge about every judged answer not yet in ``out_path``; return the client's Stats."""
+    """Ask the judge about every judged answer (each of ``samples`` per question) not yet in ``out_path``;
+    return the client's Stats."""
     from tqdm import tqdm
 
-    requests = requests_for(prompts, answers)
+    requests = requests_for(prompts, answers, samples)
     already = len({r.id for r in requests} & set(read_answers(out_path)))
     client = CompletionClient(
         config.base_url,
@@ -270,10 +279,35 @@ def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str,
     """HLE's numbers as its judge script computes them: accuracy over every judged-kind question of the run
     (one without a judgment — its reasoning never closed, the judge's output did not parse, or it was never
     judged — is wrong, as the script divides by the total), its Wald 95% half-width ``1.96·sqrt(p(1-p)/n)``,
-    and its calibration error over the readable judgments; beside them the kit's all-bins variant."""
+    and its calibration error over the readable judgments; beside them the kit's all-bins variant.
+
+    With k samples per question the script's numbers are computed for each sample index (the run as if it
+    had asked once, k times over) and averaged; the counts are summed over the samples."""
     rows = per_example[per_example["kind"] == JUDGED]
+    samples = int(rows["sample"].max()) + 1 if len(rows) and "sample" in rows else 1
+    if samples == 1:
+        return _hle_one(rows, judgments, 1)
+    each = [_hle_one(rows[rows["sample"] == j], judgments, samples) for j in range(samples)]
+    calibrations = [m["calibration_error"] for m in each]
+    mean = {key: sum(m[key] for m in each) / samples for key in ("accuracy", "ci95_half_width")}
+    return {
+        **each[0],
+        **mean,
+        "judged": sum(m["judged"] for m in each),
+        "correct": sum(m["correct"] for m in each),
+        "calibration_error": None if None in calibrations else sum(calibrations) / samples,
+        "calibration_note": f"mean over {samples} sample indices; sample 0: {each[0]['calibration_note']}",
+        "calibration_error_all_bins": sum(m["calibration_error_all_bins"] for m in each) / samples,
+        "unreadable_judgments": sum(m["unreadable_judgments"] for m in each),
+        "samples": samples,
+    }
+
+
+def _hle_one(rows, judgments: dict[str, Judgment | None], samples: int) -> dict[str, Any]:
+    """HLE's numbers over one answer per question (one sample index of ``rows``)."""
+    keys = [sample_id(i, int(j), samples) for i, j in zip(rows["id"], rows["sample"])] if len(rows) else []
     n = len(rows)
-    judged = [judgments.get(i) for i in rows["id"]]
+    judged = [judgments.get(key) for key in keys]
     correct = [bool(c) for c in rows["correct"]]
     k = sum(correct)
     acc = k / n if n else float("nan")
@@ -292,5 +326,6 @@ def hle_metrics(per_example, judgments: dict[str, Judgment | None]) -> dict[str,
         "calibration_note": note,
         "calibration_error_all_bins": all_bins,
         "calibration_all_bins_note": all_bins_note,
-        "unreadable_judgments": sum(1 for i in rows["id"] if i in judgments and judgments[i] is None),
+        "unreadable_judgments": sum(1 for key in keys if key in judgments and judgments[key] is None),
+        "samples": samples,
     }

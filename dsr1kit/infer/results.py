@@ -34,14 +34,16 @@ def category_changes(tables) -> list[str]:
     ]
 
 
-def score_all(run_dir: str | Path, prompts, totals: dict[str, int], labels, judged: bool = False):
-    """label -> accuracy table, and label -> per-example frame, from the answers (and, ``judged``, the
-    judgments) files of the run."""
+def score_all(
+    run_dir: str | Path, prompts, totals: dict[str, int], labels, judged: bool = False, samples: int = 1
+):
+    """label -> accuracy table, and label -> per-sample frame, from the answers (and, ``judged``, the
+    judgments) files of the run; ``samples`` answers per question (pass@1 over them)."""
     tables, examples = {}, {}
     for label in labels:
         answers = read_answers(evaluate.results_path(run_dir, label))
         judgments = judge.read_judgments(judge.judgments_path(run_dir, label)) if judged else None
-        examples[label], tables[label] = evaluate.score(prompts, answers, totals, judgments)
+        examples[label], tables[label] = evaluate.score(prompts, answers, totals, judgments, samples)
     return tables, examples
 
 
@@ -89,7 +91,8 @@ def accuracy_frame(tables):
         "ran_out_thinking",
         "scored_on",
     ]
-    return pd.concat([t.assign(model=label) for label, t in tables.items()])[cols]
+    frame = pd.concat([t.assign(model=label) for label, t in tables.items()])
+    return frame[cols + [c for c in ("samples", "cons_at_k") if c in frame]]  # with k samples: pass@1, cons@k
 
 
 def thinking_frame(examples, tokenizer, max_new_tokens: int):
@@ -143,9 +146,8 @@ def thinking_figure(frame):
 
 def accuracy_table(frame):
     """accuracy_frame styled for the report: percentages, no index."""
-    return frame.style.format({"accuracy": "{:.1%}", "ci95_low": "{:.1%}", "ci95_high": "{:.1%}"}).hide(
-        axis="index"
-    )
+    formats = {"accuracy": "{:.1%}", "ci95_low": "{:.1%}", "ci95_high": "{:.1%}", "cons_at_k": "{:.1%}"}
+    return frame.style.format({k: v for k, v in formats.items() if k in frame}).hide(axis="index")
 
 
 def throughput_table(stats) -> dict[str, str]:
@@ -170,10 +172,9 @@ def comparison_frame(tables, examples, comparison):
     import pandas as pd
 
     base, adapted = tables["base"].set_index("category"), tables["adapter"].set_index("category")
-    changed = (
-        examples["base"].set_index("id")["prediction"] != examples["adapter"].set_index("id")["prediction"]
-    )
-    by_cat = examples["base"].set_index("id")["category"]
+    first = {label: df[df["sample"] == 0].set_index("id") for label, df in examples.items()}
+    changed = first["base"]["prediction"] != first["adapter"]["prediction"]  # the first sample's answers
+    by_cat = first["base"]["category"]
     by_scope = {c.scope: c for c in comparison}
     rows = []
     for cat in base.index:

@@ -170,7 +170,11 @@ class ServedEval:
         if c.judge is not None and any(pr.kind == "judged" for pr in prompts):
             config = judge.on_server(c.judge, self.server.base_url, served_name)
             self.judge_stats[label] = judge.judge(
-                prompts, read_answers(out), judge.judgments_path(self.run_dir, label), config
+                prompts,
+                read_answers(out),
+                judge.judgments_path(self.run_dir, label),
+                config,
+                c.client.samples,
             )
         if c.harness is not None:
             self.harness[label] = harness.run(

@@ -79,6 +79,9 @@ def client_config(p) -> ClientConfig:
         temperature=p.temperature,
         key_env=p.server_key_env,
         chat=bool(p.reasoning_parser),
+        top_p=p.top_p,
+        samples=p.samples_per_question,
+        seed=p.sample_seed,
     )
 
 
