@@ -47,6 +47,23 @@ def test_the_command_asks_the_served_model_with_lm_evals_own_cli(tmp_path):
     args = json.loads(completions[completions.index("--model_args") + 1])
     assert args["base_url"] == "http://h:1/v1/completions" and args["tokenizer"] == "/models/tiny"
     assert "--apply_chat_template" not in completions
+    assert "--gen_kwargs" not in cmd  # a greedy evaluation leaves each task's own generation settings
+
+
+def test_lm_eval_samples_as_the_evaluation_does_unless_its_args_say_otherwise(tmp_path):
+    from dsr1kit.params import InferenceParams
+    from dsr1kit.steps.serve_configs import sampling_kwargs
+
+    p = InferenceParams(temperature=0.6, top_p=0.95, samples_per_question=4)
+    sampled = H.HarnessConfig(**{**CONFIG.__dict__, "gen_kwargs": sampling_kwargs(p)})
+    cmd = H.command(sampled, "http://h:1", "m", tmp_path)
+    assert cmd[cmd.index("--gen_kwargs") + 1 : cmd.index("--gen_kwargs") + 3] == [
+        "temperature=0.6",
+        "top_p=0.95",
+    ]
+    own = H.HarnessConfig(**{**sampled.__dict__, "extra_args": ("--gen_kwargs", "temperature=0")})
+    assert H.command(own, "http://h:1", "m", tmp_path).count("--gen_kwargs") == 1  # lm_eval_args' own wins
+    assert sampling_kwargs(InferenceParams()) == ()
 
 
 def test_the_results_table_has_each_metric_with_its_stderr():

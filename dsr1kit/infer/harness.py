@@ -42,6 +42,7 @@ class HarnessConfig:
     tokenizer: str  # the served model's folder (local-completions tokenizes with it)
     key_env: str = ""  # the environment variable holding the served model's key ('' for none); never the key
     extra_args: tuple[str, ...] = ()  # verbatim, e.g. ("--limit", "50", "--num_fewshot", "5")
+    gen_kwargs: tuple[str, ...] = ()  # the evaluation's sampling ("temperature=0.6", "top_p=0.95"); () greedy
 
 
 def task_names(tasks: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -111,6 +112,8 @@ def command(config: HarnessConfig, base_url: str, served_name: str, out_dir: Pat
         cmd.append("--apply_chat_template")
         if config.system_prompt:
             cmd += ["--system_instruction", config.system_prompt]
+    if config.gen_kwargs and "--gen_kwargs" not in config.extra_args:  # lm_eval_args' own --gen_kwargs wins
+        cmd += ["--gen_kwargs", *config.gen_kwargs]
     return cmd + list(config.extra_args)
 
 

@@ -118,7 +118,16 @@ def harness_config(p, tokenizer_path: str) -> HarnessConfig:
         tokenizer=tokenizer_path,
         key_env=p.server_key_env,
         extra_args=tuple(p.lm_eval_args),
+        gen_kwargs=sampling_kwargs(p),
     )
+
+
+def sampling_kwargs(p) -> tuple[str, ...]:
+    """lm-eval's ``--gen_kwargs`` for the evaluation's own sampling (T, top_p), so that both score the same
+    decoding; () when the evaluation is greedy (each task's own generation settings then hold)."""
+    if p.temperature == 0:
+        return ()
+    return (f"temperature={p.temperature}",) + ((f"top_p={p.top_p}",) if p.top_p < 1 else ())
 
 
 def prompt_config(p) -> PromptConfig:
