@@ -111,6 +111,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         text, command_ok = planned_command(serve_settings(p, args.nodes), p.model)
         print(text, end="\n\n")
+        from ..steps.vllm_inference import eval_cost
+
+        try:
+            print(eval_cost(p, args.rate_from).text(), end="\n\n")
+        except ValueError as err:
+            print(f"error: --rate-from: {err}", file=sys.stderr)
+            return 2
     if not plans:
         print(f"{notebook} loads no model and writes little: nothing to plan")
     for plan in plans:
@@ -197,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--run-dir", default=None, help="the run folder the step will write (default: a new one)"
+    )
+    plan.add_argument(
+        "--rate-from",
+        default=None,
+        metavar="RUN_DIR",
+        help="notebook 10: an earlier evaluation's run folder whose measured tokens per answer and tokens/s "
+        "price this one (expected tokens and hours)",
     )
     plan.add_argument(
         "--nodes",

@@ -20,21 +20,24 @@ class ServingWrites:
     rows: int  # rows asked of each model (0 when not counted)
     max_new_tokens: int
     not_counted: str = ""  # why the rows could not be counted ('' when they were)
+    samples: int = 1  # answers per row (samples_per_question)
 
 
 def answers_write(writes: ServingWrites, run_dir: Path) -> Write:
-    """At most every row with max_new_tokens of text and reasoning, for each model."""
+    """At most every sample of every row with max_new_tokens of text and reasoning, for each model."""
     if writes.not_counted:
         basis = f"not counted: {writes.not_counted}"
     else:
+        samples = f" × {writes.samples} samples" if writes.samples > 1 else ""
         basis = (
-            f"{writes.models} model(s) × {writes.rows:,} rows × (max_new_tokens {writes.max_new_tokens:,} × "
-            f"{ANSWER_BYTES_PER_TOKEN} B + 1 KiB)"
+            f"{writes.models} model(s) × {writes.rows:,} rows{samples} × (max_new_tokens "
+            f"{writes.max_new_tokens:,} × {ANSWER_BYTES_PER_TOKEN} B + 1 KiB)"
         )
+    answers = writes.models * writes.rows * writes.samples
     return Write(
         "answers",
         str(run_dir),
-        writes.models * writes.rows * (writes.max_new_tokens * ANSWER_BYTES_PER_TOKEN + ANSWER_OVERHEAD),
+        answers * (writes.max_new_tokens * ANSWER_BYTES_PER_TOKEN + ANSWER_OVERHEAD),
         basis,
         "run_dir on a filesystem with room (DSR1KIT_RUN_DIR / --run-dir)",
     )

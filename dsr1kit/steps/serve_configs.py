@@ -156,6 +156,9 @@ def base_serving(p) -> BaseServing:
 
 
 def disk_writes(p) -> ServingWrites:
-    """What sizes the evaluation's answers: the base and the adapter (when there is one), every row asked."""
+    """What sizes the evaluation's answers: the base and the adapter (when there is one), every row asked,
+    each ``samples_per_question`` times."""
     rows, not_counted = count_rows(p.eval_dataset, p.eval_limit)
-    return ServingWrites(2 if p.lora_adapter else 1, rows, p.max_new_tokens, not_counted)
+    return ServingWrites(
+        2 if p.lora_adapter else 1, rows, p.max_new_tokens, not_counted, p.samples_per_question
+    )

@@ -111,6 +111,16 @@ def disk_plan(p, run_dir: Path, free: float | None = None) -> DiskPlan:
     return serving_disk_plan(configs.disk_writes(p), run_dir, merged, p.adapter_mode != "merge", free)
 
 
+def eval_cost(p, rate_from: str | Path | None = None):
+    """Answers and generated tokens the evaluation asks for (every row, each model, k samples), priced in
+    hours by the throughput an earlier run (``rate_from``, its run folder) measured."""
+    from ..plan.eval_cost import EvalCost, measured_rate
+
+    w = configs.disk_writes(p)
+    measured = measured_rate(rate_from) if rate_from else None
+    return EvalCost(w.models, w.rows, w.samples, w.max_new_tokens, measured, w.not_counted)
+
+
 class AdapterHasNoEffect(StepFailed):
     """The served merge answers as the base: the run fails instead of reporting an adapter that is not there."""
 
